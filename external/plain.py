@@ -1,14 +1,34 @@
-"""`plain`: each agent sees its first prompt, its own previous answer, and a request to revise it."""
+"""`plain`: each agent sees its first prompt, its previous answer (with external.show_partner, the
+other agents' too) and a request to revise it. Works with any env; in the code env the answer is
+shown as code and the request names the function to write."""
 from __future__ import annotations
 
 from magrpo.feedback import FEEDBACK
+
+from .prompts import assemble, fenced
 
 REVISE = "Revise your previous answer and give an improved version."
 
 
 @FEEDBACK.register("plain")
-def plain(prompt, agent_completions, num_agents, prompt_history_per_agent, response_history_per_agent):
-    return [
-        f"{prompt_history_per_agent[i][0]}\n\nYour previous answer:\n{agent_completions[i]}\n\n{REVISE}"
-        for i in range(num_agents)
-    ]
+def plain(prompt, agent_completions, num_agents, prompt_history_per_agent, response_history_per_agent, **context):
+    options = context.get("options", {})
+    if "functions" not in context:  # an env without code context: plain text
+        out = []
+        for i in range(num_agents):
+            parts = [prompt_history_per_agent[i][0]] if options.get("original_prompt", True) else []
+            if options.get("history", False):
+                parts += [f"Your answer at turn {t + 1}:\n{r}" for t, r in enumerate(response_history_per_agent[i][:-1])]
+            parts.append(f"Your previous answer:\n{agent_completions[i]}")
+            if options.get("show_partner", False):
+                parts += [f"Agent {j}'s previous answer:\n{agent_completions[j]}" for j in range(num_agents) if j != i]
+            out.append("\n\n".join(parts + [REVISE]))
+        return out
+    out = []
+    for i in range(num_agents):
+        partner = ""
+        if options.get("show_partner", False):
+            partner = "\n\n".join(f"The other agent's previous code (`{context['functions'][j]}`):\n{fenced(context['code'][j] or '# (no code)')}"
+                                  for j in range(num_agents) if j != i)
+        out.append(assemble(i, num_agents, context, prompt_history_per_agent, response_history_per_agent, partner))
+    return out

@@ -149,9 +149,42 @@ class EvalConfig:
 
 
 @dataclass
+class ExpertConfig:
+    backend: str = "auto"
+    """Who proposes edits for expert_edits: auto (openai when base_url is set, else reference) | reference | openai | hf."""
+    model: str = ""
+    """openai: model name served at base_url; hf: hub id or local folder of a chat model."""
+    base_url: str = ""
+    """openai: an OpenAI-compatible endpoint, e.g. http://127.0.0.1:8000/v1 (vLLM, Ollama, DeepSeek, OpenAI)."""
+    api_key_env: str = "OPENAI_API_KEY"
+    """openai: name of the environment variable holding the API key (unset: the placeholder key EMPTY, enough for local servers)."""
+    timeout_s: float = 60.0
+    """openai: seconds per request before it counts as failed (and is retried)."""
+    max_retries: int = 3
+    """openai: retries of a timed-out, rate-limited or 5xx request (never of 4xx such as a bad key)."""
+    backoff_s: float = 1.0
+    """openai: first retry delay; doubles on every retry."""
+    temperature: float = 0.0
+    """openai/hf: expert sampling temperature (0 = greedy, reproducible)."""
+    max_tokens: int = 1024
+    """openai/hf: longest expert reply in tokens."""
+    cache: str = "auto"
+    """Disk cache of expert replies keyed by (backend, model, prompt): auto ($MAGRPO_CACHE/expert_cache.sqlite) | off | a file path."""
+
+
+@dataclass
 class ExternalConfig:
     mode: str = "plain"
-    """Feedback between turns: a registered name or `package.module:function`."""
+    """Feedback between turns: plain | level_feedback | level_passed | passed | expert_edits | a registered name | `package.module:function`."""
+    original_prompt: bool = True
+    """Start every next-turn prompt with the agent's first prompt (problem + role); false: a one-line role reminder."""
+    history: bool = False
+    """Also show the agent's earlier attempts in this branch (its code at every earlier turn), not just the last."""
+    show_partner: bool = False
+    """plain: also show the other agent's previous code."""
+    max_concurrency: int = 8
+    """Feedback calls of one turn that run at once (threads; expert requests overlap)."""
+    expert: ExpertConfig = field(default_factory=ExpertConfig)
 
 
 @dataclass
@@ -224,6 +257,19 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError("lora.dropout", f"must be in [0, 1), got {cfg.lora.dropout}")
     _choice("model.dtype", cfg.model.dtype, ["bfloat16", "float16", "float32"])
     _choice("model.chat_template", cfg.model.chat_template, ["auto", "never"])
+    _at_least("external.max_concurrency", cfg.external.max_concurrency, 1)
+    x = cfg.external.expert
+    _choice("external.expert.backend", x.backend, ["auto", "reference", "openai", "hf"])
+    if x.timeout_s <= 0:
+        raise ConfigError("external.expert.timeout_s", f"must be > 0, got {x.timeout_s}")
+    _at_least("external.expert.max_retries", x.max_retries, 0)
+    _at_least("external.expert.backoff_s", x.backoff_s, 0.0)
+    _at_least("external.expert.temperature", x.temperature, 0.0)
+    _at_least("external.expert.max_tokens", x.max_tokens, 1)
+    if x.backend == "openai" and not x.base_url:
+        raise ConfigError("external.expert.base_url", "required with external.expert.backend=openai, e.g. http://127.0.0.1:8000/v1")
+    if x.backend == "hf" and not x.model:
+        raise ConfigError("external.expert.model", "required with external.expert.backend=hf: a hub id or a local model folder")
     _choice("logging.wandb.mode", cfg.logging.wandb.mode, ["disabled", "offline", "online"])
     for i, name in enumerate([cfg.model.name] + [a.model for a in cfg.agents if a.model]):
         key = "model.name" if i == 0 else "agents[].model"

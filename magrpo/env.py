@@ -3,9 +3,19 @@ from __future__ import annotations
 
 import dataclasses
 import typing
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Mapping, Sequence
 
 from .registry import Registry
+
+
+@dataclass
+class Scored:
+    """What the env says about one joint action."""
+
+    reward: float
+    outcomes: dict[str, float]  # named numbers for evaluation ("reward" among them; "passed" turns on pass@k)
+    context: dict[str, Any] = field(default_factory=dict)  # handed to feedback functions as **context
 
 
 class Environment:
@@ -18,6 +28,7 @@ class Environment:
 
     Config: ClassVar[type]
     default_feedback: ClassVar[str | None] = None  # feedback mode that suits this env best (documentation)
+    context_keys: ClassVar[frozenset[str]] = frozenset()  # keys score() puts in every feedback context
 
     def __init__(self, cfg: Any):
         self.cfg = cfg
@@ -46,6 +57,12 @@ class Environment:
         """Evaluation: named numbers per joint action, "reward" among them. A "passed" key (0/1)
         turns on pass@k. Default: the reward alone."""
         return [{"reward": r} for r in self.rewards(problems, joint_completions)]
+
+    def score(self, problems: Sequence[Mapping[str, Any]], joint_completions: Sequence[Sequence[str]]) -> list[Scored]:
+        """Reward, outcomes and feedback context per joint action, in one pass (the trainer calls
+        only this). Override it when feedback needs what scoring found (test results, errors), so
+        feedback never re-runs the work. Default: outcomes() with an empty context."""
+        return [Scored(o["reward"], o) for o in self.outcomes(problems, joint_completions)]
 
 
 ENVS: Registry[type[Environment]] = Registry("env")

@@ -9,12 +9,12 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from dataclasses import replace
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
 from .env import Environment
-from .feedback import FeedbackFn
+from .feedback import Branch
 from .generation import GenerationBackend, SamplingParams
 from .rollout import TreeSettings, expand_trees
 
@@ -29,28 +29,20 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return float(1.0 - np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
 
 
-def run_paths(problems, env, backend, feedback, feedback_name, num_turns, sampling) -> dict[int, list[tuple[int, dict]]]:
+def run_paths(problems, env, backend, feedback, num_turns, sampling) -> dict[int, list[tuple[int, dict]]]:
     """turn -> [(problem index, outcomes)] for one K=1 path per problem."""
-    recorded: list[dict[str, float]] = []
-
-    def scorer(owners, texts):
-        outcomes = env.outcomes(owners, texts)
-        recorded.extend(outcomes)
-        return [o["reward"] for o in outcomes]
-
-    rollout = expand_trees(problems, env, backend, feedback, feedback_name,
-                           TreeSettings(num_generations=1, num_turns=num_turns, joint_mode="align"), sampling, scorer)
+    rollout = expand_trees(problems, env, backend, feedback,
+                           TreeSettings(num_generations=1, num_turns=num_turns, joint_mode="align"), sampling)
     per_turn: dict[int, list[tuple[int, dict]]] = defaultdict(list)
-    for node, outcome in zip(rollout.nodes, recorded):  # K=1: one joint action per node, in node order
-        per_turn[node.turn].append((node.tree, outcome))
+    for node in rollout.nodes:  # K=1: one joint action per node
+        per_turn[node.turn].append((node.tree, node.outcomes[0]))
     return per_turn
 
 
 def evaluate(
     env: Environment,
     backend: GenerationBackend,
-    feedback: FeedbackFn,
-    feedback_name: str,
+    feedback: Callable[[list[Branch]], list[list[str]]],
     problems: Sequence[Mapping[str, Any]],
     num_turns: int,
     sampling: SamplingParams,
@@ -58,9 +50,9 @@ def evaluate(
 ) -> dict[str, float]:
     start = time.perf_counter()
     out: dict[str, float] = {}
-    greedy = run_paths(problems, env, backend, feedback, feedback_name, num_turns, replace(sampling, greedy=True))
+    greedy = run_paths(problems, env, backend, feedback, num_turns, replace(sampling, greedy=True))
     repeated = [p for p in problems for _ in range(num_samples)]
-    sampled = run_paths(repeated, env, backend, feedback, feedback_name, num_turns, sampling) if num_samples else {}
+    sampled = run_paths(repeated, env, backend, feedback, num_turns, sampling) if num_samples else {}
     for turn in sorted(greedy):
         for key in greedy[turn][0][1]:
             out[f"eval/turn_{turn}/greedy_{key}_mean"] = float(np.mean([o[key] for _, o in greedy[turn]]))

@@ -1,14 +1,23 @@
 """External feedback between turns: registry, user-function resolution, and the call contract.
 
 A feedback function is called once per expanding branch as
-    fn(prompt, agent_completions, num_agents, prompt_history_per_agent, response_history_per_agent)
+    fn(prompt, agent_completions, num_agents, prompt_history_per_agent, response_history_per_agent, **context)
 and returns one next-turn prompt per agent. Histories cover that branch only, up to and including
-the current turn.
+the current turn. `context` holds what the env found when it scored this joint action (for the code
+env: entry point, tests, execution results) plus `options` (the external.* switches), so a mode never
+re-runs the env's work. A function that does not take `**context` gets only the keys it names.
+
+The trainer hands all expanding branches of a turn to `Feedback` at once: per-branch functions are
+mapped over them in a thread pool (external.max_concurrency), and a `FeedbackMode` subclass (for
+modes with state or I/O, like expert_edits) receives the whole list.
 """
 from __future__ import annotations
 
 import importlib
-from typing import Callable, Sequence
+import inspect
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
 
 from .registry import Registry
 
@@ -17,11 +26,44 @@ FeedbackFn = Callable[..., Sequence[str]]
 
 class FeedbackError(TypeError):
     """A feedback function broke its contract (reported as one line by the CLI)."""
-FEEDBACK: Registry[FeedbackFn] = Registry("feedback mode")
 
 
-def resolve_feedback(mode: str) -> FeedbackFn:
-    """A registered name, or `package.module:function` for a user's own function."""
+@dataclass
+class Branch:
+    """One joint action that expands into a next-turn node."""
+
+    prompt: str  # the problem statement
+    agent_completions: list[str]  # this turn's chosen completion per agent
+    prompt_history: list[list[str]]  # per agent: prompts up to and including this turn
+    response_history: list[list[str]]  # per agent: completions up to and including this turn
+    context: dict[str, Any] = field(default_factory=dict)
+
+
+class FeedbackMode:
+    """A feedback mode that needs configuration, start-up checks or batching across branches.
+    Register the class itself; it is built once per run as cls(external_cfg, env)."""
+
+    def __init__(self, external_cfg: Any, env: Any):
+        self.cfg = external_cfg
+        self.env = env
+
+    def check(self) -> None:
+        """Start-up checks (endpoints, keys), before any model loads: raise ConfigError."""
+
+    def batch(self, branches: list[Branch]) -> list[list[str]]:
+        raise NotImplementedError
+
+    def metrics(self) -> dict[str, float]:
+        """Numbers since the last call (reset on read), logged with the step."""
+        return {}
+
+
+FEEDBACK: Registry[FeedbackFn | type[FeedbackMode]] = Registry("feedback mode")
+
+
+def resolve_feedback(mode: str) -> FeedbackFn | type[FeedbackMode]:
+    """A registered name, or `package.module:name` for a user's own function (a module attribute, or
+    a name the module registers with `@FEEDBACK.register` when imported)."""
     from .config import ConfigError
 
     if ":" not in mode:
@@ -37,31 +79,94 @@ def resolve_feedback(mode: str) -> FeedbackFn:
     except ImportError as e:
         raise ConfigError("external.mode", f"cannot import module {module_name!r} ({e})") from None
     fn = getattr(module, attr, None)
+    if fn is None and attr in FEEDBACK:
+        fn = FEEDBACK.get(attr)
     if not callable(fn):
         raise ConfigError("external.mode", f"module {module_name!r} has no function {attr!r}")
     return fn
 
 
-def call_feedback(
-    fn: FeedbackFn,
-    name: str,
-    prompt: str,
-    agent_completions: list[str],
-    prompt_history_per_agent: list[list[str]],
-    response_history_per_agent: list[list[str]],
-) -> list[str]:
-    num_agents = len(agent_completions)
+def _accepted(fn: Callable) -> Callable[[dict], dict]:
+    """Which context keys `fn` takes: all when it has **kwargs, else the ones it names."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return lambda context: context
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return lambda context: context
+    names = {p.name for p in params}
+    return lambda context: {k: v for k, v in context.items() if k in names}
+
+
+def call_feedback(fn: FeedbackFn, name: str, branch: Branch, select: Callable[[dict], dict] | None = None) -> list[str]:
+    num_agents = len(branch.agent_completions)
+    select = select or _accepted(fn)
     # Copies: the tree keeps these lists, and a function that edits its arguments must not corrupt it.
     prompts = fn(
-        prompt=prompt,
-        agent_completions=list(agent_completions),
+        prompt=branch.prompt,
+        agent_completions=list(branch.agent_completions),
         num_agents=num_agents,
-        prompt_history_per_agent=[list(h) for h in prompt_history_per_agent],
-        response_history_per_agent=[list(h) for h in response_history_per_agent],
+        prompt_history_per_agent=[list(h) for h in branch.prompt_history],
+        response_history_per_agent=[list(h) for h in branch.response_history],
+        **select(dict(branch.context)),
     )
+    return check_prompts(prompts, num_agents, name)
+
+
+def check_prompts(prompts: Any, num_agents: int, name: str) -> list[str]:
     if not isinstance(prompts, (list, tuple)) or len(prompts) != num_agents or not all(isinstance(p, str) for p in prompts):
         raise FeedbackError(
             f"feedback function {name!r} must return a list of {num_agents} prompt strings (one per agent), "
             f"got {type(prompts).__name__}{'' if not isinstance(prompts, (list, tuple)) else f' of length {len(prompts)}'}"
         )
     return list(prompts)
+
+
+def options_of(external_cfg: Any) -> dict[str, Any]:
+    """The external.* switches every mode may read from context["options"]."""
+    return {"original_prompt": external_cfg.original_prompt, "history": external_cfg.history,
+            "show_partner": external_cfg.show_partner}
+
+
+class Feedback:
+    """The configured mode, applied to every expanding branch of a turn in one call."""
+
+    def __init__(self, external_cfg: Any, env: Any, target: FeedbackFn | type[FeedbackMode] | None = None):
+        """`target` overrides external_cfg.mode with a function or mode class (tests, notebooks)."""
+        self.name = external_cfg.mode if target is None else getattr(target, "__name__", "custom")
+        self.max_concurrency = external_cfg.max_concurrency
+        self.options = options_of(external_cfg)
+        target = target or resolve_feedback(self.name)
+        self.mode = target(external_cfg, env) if isinstance(target, type) and issubclass(target, FeedbackMode) else None
+        self.fn = None if self.mode is not None else target
+        self._select = _accepted(self.fn) if self.fn is not None else None
+        self.env = env
+
+    def check(self) -> None:
+        """Start-up: the env provides the context the mode reads; the mode's own checks."""
+        from .config import ConfigError
+
+        needed = getattr(self.mode if self.mode is not None else self.fn, "requires_context", frozenset())
+        missing = sorted(set(needed) - set(getattr(self.env, "context_keys", ())))
+        if missing:
+            raise ConfigError("external.mode", f"{self.name!r} reads feedback context that env "
+                              f"{type(self.env).__name__} does not provide ({', '.join(missing)}); use it with env=code "
+                              f"or pick a generic mode such as plain")
+        if self.mode is not None:
+            self.mode.check()
+
+    def __call__(self, branches: list[Branch]) -> list[list[str]]:
+        for branch in branches:
+            branch.context.setdefault("options", self.options)
+        if self.mode is not None:
+            out = self.mode.batch(branches)
+            if len(out) != len(branches):
+                raise FeedbackError(f"feedback mode {self.name!r} returned {len(out)} prompt lists for {len(branches)} branches")
+            return [check_prompts(p, len(b.agent_completions), self.name) for p, b in zip(out, branches)]
+        if self.max_concurrency <= 1 or len(branches) <= 1:
+            return [call_feedback(self.fn, self.name, b, self._select) for b in branches]
+        with ThreadPoolExecutor(max_workers=min(self.max_concurrency, len(branches))) as pool:
+            return list(pool.map(lambda b: call_feedback(self.fn, self.name, b, self._select), branches))
+
+    def metrics(self) -> dict[str, float]:
+        return self.mode.metrics() if self.mode is not None else {}

@@ -1,5 +1,5 @@
 """Tree expansion: turn by turn, every active node of every tree of the batch is generated in one
-backend call, scored in one reward call, and expanded through the feedback function."""
+backend call, scored in one env call, and expanded through one feedback call."""
 from __future__ import annotations
 
 import time
@@ -10,7 +10,7 @@ import numpy as np
 
 from .advantage import agent_credit, group_advantages, tree_returns
 from .env import Environment
-from .feedback import FeedbackFn, call_feedback
+from .feedback import Branch
 from .generation import GenerationBackend, GenerationRequest, SamplingParams
 from .tree import Node, joint_actions
 
@@ -35,15 +35,11 @@ def expand_trees(
     problems: Sequence[Mapping[str, Any]],
     env: Environment,
     backend: GenerationBackend,
-    feedback: FeedbackFn,
-    feedback_name: str,
+    feedback: Callable[[list[Branch]], list[list[str]]],
     tree: TreeSettings,
     sampling: SamplingParams,
-    scorer: Callable[[list, list], Sequence[float]] | None = None,
 ) -> Rollout:
-    """`scorer(problems, joint_completions) -> rewards` defaults to env.rewards (evaluation passes
-    one that also records the env's per-joint-action outcomes)."""
-    scorer = scorer or env.rewards
+    """`feedback(branches) -> next-turn prompts per branch` (a magrpo.feedback.Feedback)."""
     n, k = env.num_agents, tree.num_generations
     joint = joint_actions(tree.joint_mode, k, n)
     nodes: list[Node] = []
@@ -66,19 +62,23 @@ def expand_trees(
             node.joint = joint
         t1 = time.perf_counter()
 
-        # 2) reward: one env call for every joint action of this turn
+        # 2) score: one env call for every joint action of this turn
         texts = [[node.completions[a][j[a]].text for a in range(n)] for node in level for j in joint]
         owners = [problems[node.tree] for node in level for _ in joint]
-        rewards = np.asarray(scorer(owners, texts), dtype=np.float64).reshape(len(level), len(joint))
+        scored = env.score(owners, texts)
+        rewards = np.asarray([s.reward for s in scored], dtype=np.float64).reshape(len(level), len(joint))
         if not np.isfinite(rewards).all():
             raise ValueError(f"env {type(env).__name__} returned a non-finite reward at turn {turn}")
         t2 = time.perf_counter()
 
-        # 3) expand: joint actions that are neither at the turn limit nor terminated get a child
-        next_level: list[Node] = []
+        # 3) expand: joint actions that are neither at the turn limit nor terminated get a child;
+        #    the feedback layer sees all of this turn's expanding branches at once
+        branches: list[Branch] = []
+        parents: list[tuple[int, int]] = []
         terminated = 0
         for i, node in enumerate(level):
             node.rewards = rewards[i]
+            node.outcomes = [s.outcomes for s in scored[i * len(joint) : (i + 1) * len(joint)]]
             stop = np.zeros(len(joint), dtype=bool)
             if tree.early_termination_threshold is not None:
                 stop = rewards[i] >= tree.early_termination_threshold
@@ -91,15 +91,21 @@ def expand_trees(
                 if stop[j]:
                     continue
                 chosen = [node.completions[a][choice[a]].text for a in range(n)]
-                responses = [node.response_history[a] + [chosen[a]] for a in range(n)]
-                child_prompts = call_feedback(feedback, feedback_name, problems[node.tree]["prompt"], chosen,
-                                              node.prompt_history, responses)
-                node.children[j] = first_id + len(level) + len(next_level)
-                next_level.append(Node(
-                    tree=node.tree, turn=turn + 1, parent=(first_id + i, j), prompts=child_prompts,
-                    prompt_history=[node.prompt_history[a] + [child_prompts[a]] for a in range(n)],
-                    response_history=responses,
+                branches.append(Branch(
+                    prompt=problems[node.tree]["prompt"], agent_completions=chosen,
+                    prompt_history=[list(h) for h in node.prompt_history],
+                    response_history=[node.response_history[a] + [chosen[a]] for a in range(n)],
+                    context=scored[i * len(joint) + j].context,
                 ))
+                parents.append((i, j))
+        next_level: list[Node] = []
+        for (i, j), branch, child_prompts in zip(parents, branches, feedback(branches) if branches else []):
+            level[i].children[j] = first_id + len(level) + len(next_level)
+            next_level.append(Node(
+                tree=level[i].tree, turn=turn + 1, parent=(first_id + i, j), prompts=child_prompts,
+                prompt_history=[branch.prompt_history[a] + [child_prompts[a]] for a in range(n)],
+                response_history=branch.response_history,
+            ))
         rollout.terminated_per_turn.append(terminated)
         rollout.timings["gen_s"] += t1 - t0
         rollout.timings["reward_s"] += t2 - t1

@@ -6,7 +6,6 @@ import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -14,7 +13,7 @@ import torch
 from .config import TrainConfig, validate
 from .env import Environment, make_env
 from .evaluation import evaluate
-from .feedback import resolve_feedback
+from .feedback import Feedback
 from .generation import SamplingParams
 from .rollout import Rollout, TreeSettings, assign_advantages, expand_trees
 from .run_io import RunWriter, make_run_dir, tree_records
@@ -41,11 +40,13 @@ class ProblemSampler:
         return [self.problems[i] for i in picked]
 
 
-def prepare(cfg: TrainConfig) -> tuple[Environment, Any]:
-    """Everything that can fail on bad input, before any model loads."""
+def prepare(cfg: TrainConfig) -> tuple[Environment, Feedback]:
+    """Everything that can fail on bad input, before any model loads (an expert endpoint and its
+    key included)."""
     validate(cfg)
     env = make_env(cfg.env)
-    feedback = resolve_feedback(cfg.external.mode)
+    feedback = Feedback(cfg.external, env)
+    feedback.check()
     return env, feedback
 
 
@@ -72,16 +73,22 @@ def train(cfg: TrainConfig) -> Path:
     env_step = 0
 
     def run_eval() -> dict[str, float]:
-        return evaluate(env, backend, feedback, cfg.external.mode, eval_problems, t.num_turns, sampling,
-                        cfg.eval.num_samples)
+        bar.write(f"magrpo: evaluating {len(eval_problems)} problem(s), greedy + {cfg.eval.num_samples} sample(s), "
+                  f"{t.num_turns} turn(s)", file=sys.stderr)
+        out = evaluate(env, backend, feedback, eval_problems, t.num_turns, sampling, cfg.eval.num_samples)
+        last = t.num_turns - 1
+        summary = ", ".join(f"{key.split('/', 2)[2]} {out[key]:.3f}" for key in
+                            (f"eval/turn_{last}/greedy_reward_mean", f"eval/turn_{last}/pass@1_greedy") if key in out)
+        bar.write(f"magrpo: eval turn {last + 1}: {summary} ({out['perf/eval_s']:.0f} s)", file=sys.stderr)
+        return out
 
     try:
         if cfg.eval.at_start:
-            writer.log_metrics(0, run_eval())
+            writer.log_metrics(0, {**run_eval(), **feedback.metrics()})
         for step in range(1, t.steps + 1):
             start = time.perf_counter()
             tokens_before = backend.generated_tokens
-            rollout = expand_trees(sampler.next(t.batch_size), env, backend, feedback, cfg.external.mode, tree, sampling)
+            rollout = expand_trees(sampler.next(t.batch_size), env, backend, feedback, tree, sampling)
             new_tokens = backend.generated_tokens - tokens_before  # before evaluation adds its own tokens
             zero_std = assign_advantages(rollout.nodes, t.discount, t.cross_credit, t.baseline, t.advantage_scale)
             env_step += sum(len(n.joint) for n in rollout.nodes)
@@ -101,6 +108,7 @@ def train(cfg: TrainConfig) -> Path:
             metrics.update(env.metrics())
             if (cfg.eval.every and step % cfg.eval.every == 0) or (cfg.eval.at_end and step == t.steps):
                 metrics.update(run_eval())
+            metrics.update(feedback.metrics())
             metrics.update({
                 "env_step": env_step, "perf/update_s": update_s, "perf/step_s": step_s,
                 "perf/tokens_per_s": new_tokens / max(rollout.timings["gen_s"], 1e-9),
@@ -161,6 +169,7 @@ def _save(agents, folder: Path) -> None:
 
 
 class _NoBar:
+    def write(self, s, file=None): ...
     def update(self, n): ...
     def set_postfix(self, **kw): ...
     def close(self): ...

@@ -54,6 +54,7 @@ class Node:
     completions: list[list[Completion]] = field(default_factory=list)  # [agent][k]
     joint: np.ndarray | None = None  # (J, N) completion index per agent
     rewards: np.ndarray | None = None  # (J,)
+    outcomes: list[dict[str, float]] = field(default_factory=list)  # (J,) the env's named numbers
     terminated: np.ndarray | None = None  # (J,) bool: early termination stopped this branch
     children: list[int | None] = field(default_factory=list)  # (J,) child node id or None (leaf)
     returns: np.ndarray | None = None  # (J,)

@@ -12,7 +12,8 @@ SOURCE = Path(__file__).resolve().parent.parent / "magrpo" / "config.py"
 PREFIX = {
     "TrainConfig": "", "ModelConfig": "model.", "AgentConfig": "agents[i].", "LoraConfig": "lora.",
     "GenerationConfig": "generation.", "TrainerConfig": "trainer.", "LoggingConfig": "logging.",
-    "WandbConfig": "logging.wandb.", "ExternalConfig": "external.", "EvalConfig": "eval.",
+    "WandbConfig": "logging.wandb.", "ExternalConfig": "external.", "ExpertConfig": "external.expert.",
+    "EvalConfig": "eval.",
 }
 
 

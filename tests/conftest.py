@@ -13,6 +13,7 @@ if str(ROOT) not in sys.path:  # `tests.feedback_probe` and train.py's packages 
 import envs  # noqa: E402,F401  (fills the env registry)
 import external  # noqa: E402,F401  (fills the feedback registry)
 from magrpo.cli import compose  # noqa: E402
+from tests.openai_server import server  # noqa: E402,F401  (fixture: an OpenAI-compatible HTTP server)
 
 SMALL = [
     "env=length_ratio",  # the fast toy env and tiny model, not the SmolLM2 code-env default
@@ -36,3 +37,14 @@ def make_cfg(tmp_path):
         return compose([*SMALL, f"logging.run_dir={tmp_path / 'run'}", *overrides])
 
     return make
+
+
+@pytest.fixture(scope="module")
+def truncate_env():
+    """The code env whose train split is HumanEval/2 (`truncate_number`, 3 test cases), shipped copy."""
+    from envs.code.env import CodeEnv
+
+    mp = pytest.MonkeyPatch()
+    mp.setenv("HF_HUB_OFFLINE", "1")  # the shipped copy, never the hub
+    yield CodeEnv(CodeEnv.Config(train_split="test[2:3]", eval_split="test[3:4]"))
+    mp.undo()

@@ -16,3 +16,13 @@ def record(prompt, agent_completions, num_agents, prompt_history_per_agent, resp
 
 def wrong_count(prompt, agent_completions, num_agents, prompt_history_per_agent, response_history_per_agent):
     return ["only one prompt"]
+
+
+def record_context(prompt, agent_completions, num_agents, prompt_history_per_agent, response_history_per_agent,
+                   **context):
+    with open(os.environ["MAGRPO_PROBE_LOG"], "a") as f:
+        f.write(json.dumps({
+            "agent_completions": agent_completions, "prompt_history_per_agent": prompt_history_per_agent,
+            "response_history_per_agent": response_history_per_agent, "context": context,
+        }) + "\n")
+    return [f"probe turn {len(prompt_history_per_agent[i]) + 1} for agent {i}" for i in range(num_agents)]

@@ -27,6 +27,12 @@ CASES = {
     "env.name=nope": ("env.name", ["'nope'", "length_ratio"]),
     "env.bogus=1": ("env.bogus", ["unknown key", "ratio"]),
     "env=length_ratio env.ratio=big": ("env.ratio", ["float", "big"]),
+    "env=length_ratio external.mode=level_feedback": ("external.mode", ["'level_feedback'", "env=code"]),
+    "external.max_concurrency=0": ("external.max_concurrency", [">= 1"]),
+    "external.expert.backend=claude": ("external.expert.backend", ["'claude'", "auto, reference, openai, hf"]),
+    "external.mode=expert_edits external.expert.backend=openai": ("external.expert.base_url", ["required"]),
+    "external.mode=expert_edits external.expert.base_url=http://127.0.0.1:9/v1":
+        ("external.expert.base_url", ["cannot reach http://127.0.0.1:9/v1"]),
 }
 
 

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import pytest
 
+from magrpo.config import ExternalConfig
 from magrpo.env import Environment
+from magrpo.feedback import Feedback
 from magrpo.evaluation import evaluate
 from magrpo.generation import SamplingParams
 from magrpo.tree import Completion
@@ -52,7 +54,7 @@ def feedback(prompt, agent_completions, num_agents, prompt_history_per_agent, re
 def test_greedy_and_sampled_paths_by_hand():
     backend = AlternatingBackend()
     problems = [{"prompt": "p0"}, {"prompt": "p1"}]
-    out = evaluate(PassEnv(None), backend, feedback, "test", problems, num_turns=2,
+    out = evaluate(PassEnv(None), backend, Feedback(ExternalConfig(), None, feedback), problems, num_turns=2,
                    sampling=SamplingParams(max_new_tokens=4), num_samples=2)
     assert backend.generate_calls == 4 and backend.greedy_calls == 2  # (greedy + sampled) x 2 turns
     for turn in (0, 1):
@@ -69,7 +71,7 @@ def test_envs_without_passed_report_reward_only():
         def outcomes(self, problems, joint_completions):
             return [{"reward": 2.0} for _ in joint_completions]
 
-    out = evaluate(RewardOnly(None), AlternatingBackend(), feedback, "test", [{"prompt": "p"}], num_turns=1,
+    out = evaluate(RewardOnly(None), AlternatingBackend(), Feedback(ExternalConfig(), None, feedback), [{"prompt": "p"}], num_turns=1,
                    sampling=SamplingParams(max_new_tokens=4), num_samples=3)
     assert out["eval/turn_0/reward_mean"] == 2.0 and out["eval/turn_0/greedy_reward_mean"] == 2.0
     assert not any("pass@" in key for key in out)

@@ -10,7 +10,7 @@ from tests.conftest import ROOT, SMALL
 
 
 def run_train(tmp_path, *overrides):
-    env = dict(os.environ, MAGRPO_PROBE_LOG=str(tmp_path / "calls.jsonl"))
+    env = dict(os.environ, MAGRPO_PROBE_LOG=str(tmp_path / "calls.jsonl"), HF_HUB_OFFLINE="1")
     cmd = [sys.executable, "train.py", *SMALL, f"logging.run_dir={tmp_path / 'run'}", *overrides]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
@@ -44,3 +44,22 @@ def test_feedback_returning_wrong_count_names_the_function(tmp_path):
     proc = run_train(tmp_path, "external.mode=tests.feedback_probe:wrong_count", "trainer.steps=1")
     assert proc.returncode != 0
     assert "tests.feedback_probe:wrong_count" in proc.stderr and "2 prompt strings" in proc.stderr
+
+
+def test_custom_feedback_receives_the_code_env_context_and_branch_histories(tmp_path):
+    from envs.code.env import CodeEnv
+
+    proc = run_train(tmp_path, "env=code", "model=tiny", "env.train_split='test[:2]'", "env.eval_split='test[2:3]'",
+                     "external.mode=tests.feedback_probe:record_context", "external.history=true",
+                     "generation.max_new_tokens=12", "trainer.steps=1", "eval.at_end=false")
+    assert proc.returncode == 0, proc.stderr
+    calls = [json.loads(line) for line in open(tmp_path / "calls.jsonl")]
+    assert len(calls) == 2 * 2  # B=2 trees, K=2 align, T=2: turn 0 expands
+    for call in calls:
+        context = call["context"]
+        assert set(context) == CodeEnv.context_keys | {"options"}
+        assert context["options"] == {"original_prompt": True, "history": True, "show_partner": False}
+        assert context["entry_point"] in call["prompt_history_per_agent"][1][0]
+        assert context["total"] == len(context["tests"]) > 0
+        for i in range(2):
+            assert call["response_history_per_agent"][i] == [call["agent_completions"][i]]

@@ -7,6 +7,8 @@ import torch
 
 from envs.length_ratio import LengthRatioEnv
 from external.plain import plain
+from magrpo.config import ExternalConfig
+from magrpo.feedback import Feedback
 from magrpo.generation import GenerationRequest, SamplingParams
 from magrpo.hf_backend import HFBackend
 from magrpo.models import load_agents
@@ -37,7 +39,7 @@ def test_generate_calls_per_step_do_not_grow_with_batch_or_k(agents, batch, k, m
     env = LengthRatioEnv(LengthRatioEnv.Config(num_agents=2))
     backend = HFBackend(agents)
     problems = env.problems("train")[:batch]
-    rollout = expand_trees(problems, env, backend, plain, "plain", TreeSettings(k, 2, mode), SAMPLING)
+    rollout = expand_trees(problems, env, backend, Feedback(ExternalConfig(), env, plain), TreeSettings(k, 2, mode), SAMPLING)
     assert backend.generate_calls == 2  # one per turn, whatever B, K, N and the number of nodes
     joint = k if mode == "align" else k * k
     assert len(rollout.nodes) == batch * (1 + joint)
@@ -50,7 +52,7 @@ def test_agents_with_their_own_base_model_get_one_call_each_per_turn(make_cfg, t
     assert agents[0].model is not agents[1].model
     env = LengthRatioEnv(LengthRatioEnv.Config(num_agents=2))
     backend = HFBackend(agents)
-    expand_trees(env.problems("train")[:2], env, backend, plain, "plain", TreeSettings(2, 2, "align"), SAMPLING)
+    expand_trees(env.problems("train")[:2], env, backend, Feedback(ExternalConfig(), env, plain), TreeSettings(2, 2, "align"), SAMPLING)
     assert backend.generate_calls == 2 * 2  # two base models, two turns
 
 

@@ -15,6 +15,8 @@ import pytest
 
 from magrpo.env import Environment
 from magrpo.generation import SamplingParams
+from magrpo.config import ExternalConfig
+from magrpo.feedback import Feedback
 from magrpo.rollout import TreeSettings, assign_advantages, expand_trees
 from magrpo.tree import Completion, count_leaves
 
@@ -94,9 +96,14 @@ class RecordingFeedback:
         return out
 
 
+def serial(fn, env) -> Feedback:
+    """One branch at a time, so a recording function sees the calls in branch order."""
+    return Feedback(ExternalConfig(max_concurrency=1), env, fn)
+
+
 def run(mode, n, t, k, threshold=None, reward=sum_of_indices, problems=PROBLEMS):
     env, backend, fb = FakeEnv(n, reward), FakeBackend(), RecordingFeedback()
-    rollout = expand_trees(problems, env, backend, fb, "recording_fb",
+    rollout = expand_trees(problems, env, backend, serial(fb, env),
                            TreeSettings(num_generations=k, num_turns=t, joint_mode=mode,
                                         early_termination_threshold=threshold), SAMPLING)
     return rollout, env, backend, fb
@@ -279,11 +286,11 @@ def test_feedback_receives_branch_histories():
 
 @pytest.mark.parametrize("bad", [lambda n: ["only one"], lambda n: ["x"] * (n + 1), lambda n: "not a list"])
 def test_feedback_with_wrong_prompt_count_names_the_function(bad):
-    def wrong(prompt, agent_completions, num_agents, prompt_history_per_agent, response_history_per_agent):
+    def my_bad_feedback(prompt, agent_completions, num_agents, prompt_history_per_agent, response_history_per_agent):
         return bad(num_agents)
 
     with pytest.raises(Exception, match="my_bad_feedback"):
-        expand_trees(PROBLEMS, FakeEnv(2), FakeBackend(), wrong, "my_bad_feedback",
+        expand_trees(PROBLEMS, FakeEnv(2), FakeBackend(), serial(my_bad_feedback, FakeEnv(2)),
                      TreeSettings(num_generations=2, num_turns=2, joint_mode="align"), SAMPLING)
 
 

@@ -7,11 +7,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-from magrpo.env import ENVS, Environment
+from magrpo.env import ENVS, Environment, Scored
 
 from .problems import extract_tests, load_problems, parse_signature, prompt_context, wrap_case
-from .reward import RewardWeights, analyze, score
-from .sandbox import Program, SandboxLimits, run_many
+from .reward import Analysis, RewardWeights, analyze, score, strip_fences, syntax_error
+from .sandbox import Program, RunResult, SandboxLimits, run_many
 
 AUX_PROMPT = """You are agent 0 of 2 solving a Python problem together.
 
@@ -19,7 +19,7 @@ Problem:
 {prompt}
 Write a helper function named `aux` that does a useful part of the work for `{name}({params})`.
 Another agent writes `{name}` and will call your `aux`. Output only the code of `def aux(...)`,
-with a return statement."""
+with a return statement and no docstring."""
 
 MAIN_PROMPT = """You are agent 1 of 2 solving a Python problem together.
 
@@ -27,7 +27,7 @@ Problem:
 {prompt}
 Another agent writes a helper function `aux` that you may call. Implement
 {signature}
-Output only the code of `def {name}(...)`, with a return statement."""
+Output only the code of `def {name}(...)`, with a return statement and no docstring."""
 
 SINGLE_PROMPT = """Solve this Python problem.
 
@@ -35,7 +35,7 @@ Problem:
 {prompt}
 Implement
 {signature}
-Output only the code of `def {name}(...)`, with a return statement."""
+Output only the code of `def {name}(...)`, with a return statement and no docstring."""
 
 
 @ENVS.register("code")
@@ -58,6 +58,11 @@ class CodeEnv(Environment):
         """Level weights, shift and scale (envs/code/reward.py)."""
 
     default_feedback = "plain"
+    context_keys = frozenset({
+        "task_id", "entry_point", "params", "signature", "tests", "canonical_solution", "roles", "functions", "code",
+        "aux_defined", "main_defined", "syntax_ok", "syntax_errors", "ran", "passed", "total", "timed_out",
+        "first_failure", "aux_usage", "is_wrapper", "program", "reward", "reward_parts",
+    })
 
     def __init__(self, cfg: Any):
         super().__init__(cfg)
@@ -119,11 +124,15 @@ class CodeEnv(Environment):
         return [AUX_PROMPT.format(**values), MAIN_PROMPT.format(**values)]
 
     def rewards(self, problems: Sequence[Mapping[str, Any]], joint_completions: Sequence[Sequence[str]]) -> list[float]:
-        return [o["reward"] for o in self.outcomes(problems, joint_completions)]
+        return [s.reward for s in self.score(problems, joint_completions)]
 
     def outcomes(self, problems: Sequence[Mapping[str, Any]], joint_completions: Sequence[Sequence[str]]) -> list[dict[str, float]]:
+        return [s.outcomes for s in self.score(problems, joint_completions)]
+
+    def score(self, problems: Sequence[Mapping[str, Any]], joint_completions: Sequence[Sequence[str]]) -> list[Scored]:
         """Static levels with `ast`, then every program that parses runs in the sandbox, in parallel.
-        Per joint action: reward, passed (all cases), syntax_ok, aux_used, timeout."""
+        Outcomes per joint action: reward, passed (all cases), syntax_ok, aux_used, timeout; the
+        context carries the diagnostics feedback modes show (see `feedback_context`)."""
         analyses = []
         for problem, texts in zip(problems, joint_completions):
             aux, main = (None, texts[0]) if self.num_agents == 1 else (texts[0], texts[1])
@@ -141,14 +150,60 @@ class CodeEnv(Environment):
         for i, a in enumerate(analyses):
             r = ran.get(i)
             passed, total = (r.passed, len(r.cases)) if r is not None else (0, 1)
-            out.append({
-                "reward": score(a, passed, total, self.weights)[0],
+            reward, parts = score(a, passed, total, self.weights)
+            outcomes = {
+                "reward": reward,
                 "passed": float(r is not None and total > 0 and passed == total),
                 "syntax_ok": float(a.parses),
                 "aux_used": float(a.main_calls_aux and a.aux_source is not None),
                 "timeout": float(r is not None and r.timed_out),
-            })
+            }
+            out.append(Scored(reward, outcomes, self.feedback_context(problems[i], joint_completions[i], a, r, reward, parts)))
         return out
+
+    def feedback_context(self, problem: Mapping[str, Any], texts: Sequence[str], a: Analysis,
+                         result: RunResult | None, reward: float, parts: dict[str, float]) -> dict[str, Any]:
+        """What feedback modes may show about one joint action (documented in the README)."""
+        sig, suite, _ = self._parsed[problem["task_id"]]
+        first_failure = None
+        if result is not None:
+            for case, case_result in zip(suite.cases, result.cases):
+                if not case_result.passed:
+                    first_failure = {"case": case, "error": case_result.error or "failed"}
+                    break
+        if a.aux_source is None:
+            aux_usage = "no_aux"
+        elif not a.main_calls_aux:
+            aux_usage = "not_called"
+        else:
+            aux_usage = "ignored" if a.ignores_aux else "used"
+        return {
+            "task_id": problem["task_id"],
+            "entry_point": problem["entry_point"],
+            "params": list(sig.params),
+            "signature": sig.source,
+            "tests": list(suite.cases),
+            "canonical_solution": problem.get("canonical_solution") or None,
+            "roles": ["main"] if self.num_agents == 1 else ["aux", "main"],
+            "functions": [problem["entry_point"]] if self.num_agents == 1 else ["aux", problem["entry_point"]],
+            # each agent's code as the checks saw it: its function when found, else the fence-less text
+            "code": [src if src is not None else strip_fences(text).strip()
+                     for src, text in zip(([a.main_source] if self.num_agents == 1 else [a.aux_source, a.main_source]), texts)],
+            "aux_defined": a.aux_defined,
+            "main_defined": a.main_defined,
+            "syntax_ok": a.parses,
+            "syntax_errors": [syntax_error(text) for text in texts],
+            "ran": result is not None,
+            "passed": result.passed if result is not None else 0,
+            "total": len(result.cases) if result is not None else len(suite.cases),
+            "timed_out": bool(result is not None and result.timed_out),
+            "first_failure": first_failure,
+            "aux_usage": aux_usage,
+            "is_wrapper": a.is_wrapper,
+            "program": a.program,
+            "reward": reward,
+            "reward_parts": dict(parts),
+        }
 
     def _program(self, problem: Mapping[str, Any], program: str) -> Program:
         suite = self._parsed[problem["task_id"]][1]

@@ -55,6 +55,15 @@ def strip_fences(text: str) -> str:
     return "\n".join(blocks) if blocks else text
 
 
+def syntax_error(text: str) -> str | None:
+    """`line L, column C: message` for a completion (fences stripped) that does not parse, else None."""
+    try:
+        ast.parse(strip_fences(text))
+    except SyntaxError as e:
+        return f"line {e.lineno}, column {e.offset}: {e.msg}"
+    return None
+
+
 def find_function(text: str, name: str) -> ast.FunctionDef | None:
     """The top-level `def name` of `text`, parsing only that function when the rest is broken."""
     code = strip_fences(text)

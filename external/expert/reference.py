@@ -1,0 +1,70 @@
+"""The offline `reference` expert: edits derived from the dataset's canonical solution.
+
+It stands in for a strong expert model when no endpoint is configured. What it reveals, exactly:
+when the joint program passes every test, nothing ("no changes" for every agent); otherwise, when
+the problem has a canonical solution, that solution, without its docstring, to every agent: to the
+aux writer renamed `aux`, to the main writer as the entry point itself. It reads the test results
+the env computed while scoring (no second sandbox run). A problem without a canonical solution
+gets no proposal, and the mode falls back to level_feedback (counted as a fallback).
+"""
+from __future__ import annotations
+
+import ast
+import time
+from typing import Any, Mapping
+
+
+def canonical_function(prompt: str, canonical_solution: str, entry_point: str, name: str) -> str | None:
+    """The dataset's solution of `entry_point` (docstring dropped), renamed `name`; None if it does not parse."""
+    try:
+        tree = ast.parse(prompt + canonical_solution)
+    except SyntaxError:
+        return None
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == entry_point:
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
+                    and isinstance(body[0].value.value, str) and len(body) > 1:
+                node.body = body[1:]
+            node.name = name
+            return ast.unparse(node)
+    return None
+
+
+class ReferenceExpert:
+    name = "reference"
+    model = "canonical-solution"
+
+    def __init__(self):
+        self.reset_stats()
+
+    def check(self) -> None:
+        """Nothing to reach: the dataset is the expert."""
+
+    def propose(self, prompts: list[str], contexts: list[Mapping[str, Any]]) -> list[dict[str, str] | None]:
+        start = time.perf_counter()
+        out = [self._edits(prompt, context) for prompt, context in zip(prompts, contexts)]
+        self._stats["calls"] += len(out)
+        self._stats["failures"] += sum(edits is None for edits in out)
+        self._stats["latency_s_total"] += time.perf_counter() - start
+        return out
+
+    def _edits(self, problem: str, context: Mapping[str, Any]) -> dict[str, str] | None:
+        roles, functions = context["roles"], context["functions"]
+        if context["ran"] and not context["timed_out"] and context["passed"] == context["total"]:
+            return {role: "" for role in roles}
+        if not context.get("canonical_solution"):
+            return None
+        edits = {}
+        for role, name in zip(roles, functions):
+            code = canonical_function(problem, context["canonical_solution"], context["entry_point"], name)
+            if code is None:
+                return None
+            edits[role] = code
+        return edits
+
+    def stats(self) -> dict[str, float]:
+        return dict(self._stats)
+
+    def reset_stats(self) -> None:
+        self._stats = {"calls": 0, "cache_hits": 0, "failures": 0, "retries": 0, "latency_s_total": 0.0}
