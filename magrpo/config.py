@@ -113,14 +113,20 @@ class TrainerConfig:
 
 @dataclass
 class WandbConfig:
-    mode: str = "disabled"
-    """online | offline | disabled."""
+    mode: str = "auto"
+    """auto (online when a wandb API key is configured, else offline: `wandb sync` uploads later) | online | offline | disabled."""
     project: str = "magrpo"
     """wandb project."""
     entity: Optional[str] = None
     """wandb entity (team or user); null = your default."""
     name: Optional[str] = None
     """Run name; null = the run directory's name."""
+    group: Optional[str] = None
+    """wandb group (e.g. one sweep or ablation)."""
+    tags: list[str] = field(default_factory=list)
+    """wandb tags, e.g. [code, smollm2]."""
+    log_adapters: bool = False
+    """Upload the final adapters as a wandb artifact (type model)."""
 
 
 @dataclass
@@ -128,7 +134,11 @@ class LoggingConfig:
     run_dir: Optional[str] = None
     """Run output folder; null = runs/<env>-<timestamp>."""
     progress: bool = True
-    """Show a progress bar on the console."""
+    """Console output: a progress bar and a summary line every `logging.every` steps; false = quiet (errors only)."""
+    every: int = 1
+    """Print a compact metrics line every this many steps (0 = never)."""
+    samples_every: int = 10
+    """Log sample rollouts (a wandb Table and the tree viewer page) every this many steps, and at the last step (0 = never)."""
     rollouts: bool = True
     """Write every tree to rollouts.jsonl."""
     wandb: WandbConfig = field(default_factory=WandbConfig)
@@ -270,7 +280,9 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError("external.expert.base_url", "required with external.expert.backend=openai, e.g. http://127.0.0.1:8000/v1")
     if x.backend == "hf" and not x.model:
         raise ConfigError("external.expert.model", "required with external.expert.backend=hf: a hub id or a local model folder")
-    _choice("logging.wandb.mode", cfg.logging.wandb.mode, ["disabled", "offline", "online"])
+    _choice("logging.wandb.mode", cfg.logging.wandb.mode, ["auto", "disabled", "offline", "online"])
+    _at_least("logging.every", cfg.logging.every, 0)
+    _at_least("logging.samples_every", cfg.logging.samples_every, 0)
     for i, name in enumerate([cfg.model.name] + [a.model for a in cfg.agents if a.model]):
         key = "model.name" if i == 0 else "agents[].model"
         _check_model_name(key, name)

@@ -48,6 +48,12 @@ def gather_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
     return picked - torch.logsumexp(logits, dim=-1)
 
 
+def token_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """logits (B, L, V) -> (B, L) entropy of the predicted distribution, in nats."""
+    logits = logits.float()
+    return torch.logsumexp(logits, dim=-1) - (logits.softmax(-1) * logits).sum(-1)
+
+
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
     """logits (B, L, V), input_ids (B, L) -> (B, L): log p(input_ids[:, t] | < t); position 0 is 0."""
     return torch.nn.functional.pad(gather_logprobs(logits[:, :-1], input_ids[:, 1:]), (1, 0))

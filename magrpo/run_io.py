@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import json
+import netrc
+import os
+import re
 import time
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -49,31 +52,99 @@ def tree_records(step: int, problems: Sequence[Mapping[str, Any]], nodes: list[N
     ]
 
 
+def wandb_mode(setting: str) -> str:
+    """auto: online when an API key is configured (env var or `wandb login`), else offline."""
+    if setting != "auto":
+        return setting
+    if os.environ.get("WANDB_API_KEY"):
+        return "online"
+    try:
+        if netrc.netrc().authenticators(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai").split("//")[-1]):
+            return "online"
+    except (FileNotFoundError, netrc.NetrcParseError):
+        pass
+    return "offline"
+
+
+# wandb metric families: x-axis is the optimizer step everywhere; eval summaries keep the best value.
+METRIC_FAMILIES = ["train/*", "tree/*", "perf/*", "env/*", "expert/*", "env_step"]
+
+
+def sample_rows(step: int, record: Mapping[str, Any]) -> tuple[list[str], list[list[Any]]]:
+    """One table row per joint action of one tree: each agent's prompt, completion and advantage."""
+    nodes = record["nodes"]
+    num_agents = len(nodes[0]["prompts"]) if nodes else 0
+    columns = ["step", "tree", "turn", "node", "joint", "problem"]
+    for a in range(num_agents):
+        columns += [f"agent_{a}/prompt", f"agent_{a}/completion", f"agent_{a}/advantage"]
+    columns += ["reward", "return", "terminated"]
+    rows = []
+    for node in nodes:
+        for j, joint in enumerate(node["joint_actions"]):
+            row = [step, record["tree"], node["turn"], node["id"], j, str(record["problem"].get("prompt", ""))]
+            for a, k in enumerate(joint["agents"]):
+                row += [node["prompts"][a], node["completions"][a][k], node["advantages"][a][k]]
+            rows.append(row + [joint["reward"], joint["return"], joint["terminated"]])
+    return columns, rows
+
+
 class RunWriter:
+    """Every metric goes to metrics.jsonl, and to wandb when enabled; trees to rollouts.jsonl."""
+
     def __init__(self, path: Path, config: Mapping[str, Any], wandb_cfg: Any):
         self.path = path
         (path / "config.json").write_text(json.dumps(config, indent=2, default=str))
         self.metrics = open(path / "metrics.jsonl", "a")
         self.rollouts = open(path / "rollouts.jsonl", "a")
         self.wandb = None
-        if wandb_cfg.mode != "disabled":
+        self.wandb_cfg = wandb_cfg
+        mode = wandb_mode(wandb_cfg.mode)
+        if mode != "disabled":
             import wandb
 
             self.wandb = wandb.init(
                 project=wandb_cfg.project, entity=wandb_cfg.entity, name=wandb_cfg.name or path.name,
-                mode=wandb_cfg.mode, config=dict(config), dir=str(path),
+                group=wandb_cfg.group, tags=list(wandb_cfg.tags) or None, mode=mode, config=dict(config),
+                dir=str(path),
             )
+            self.wandb.define_metric("step")
+            for family in METRIC_FAMILIES:
+                self.wandb.define_metric(family, step_metric="step")
+            self.wandb.define_metric("eval/*", step_metric="step", summary="max")
 
     def log_metrics(self, step: int, metrics: Mapping[str, float]) -> None:
         self.metrics.write(json.dumps({"step": step, **metrics}) + "\n")
         self.metrics.flush()
         if self.wandb is not None:
-            self.wandb.log(dict(metrics), step=step)
+            self.wandb.log({"step": step, **metrics}, step=step)
 
     def log_trees(self, records: list[dict]) -> None:
         for record in records:
             self.rollouts.write(json.dumps(record, default=str) + "\n")
         self.rollouts.flush()
+
+    def log_samples(self, step: int, records: list[dict]) -> None:
+        """Sample rollouts for wandb: a Table of every tree's joint actions and the first tree's page."""
+        if self.wandb is None or not records:
+            return
+        import wandb
+
+        from .viz import render_tree_html
+
+        columns, rows = sample_rows(step, records[0])
+        for record in records[1:]:
+            rows += sample_rows(step, record)[1]
+        self.wandb.log({"samples/rollouts": wandb.Table(columns=columns, data=rows),
+                        "samples/tree": wandb.Html(render_tree_html(records[0]), inject=False)}, step=step)
+
+    def log_adapters(self, folder: Path) -> None:
+        if self.wandb is None or not self.wandb_cfg.log_adapters:
+            return
+        import wandb
+
+        artifact = wandb.Artifact(re.sub(r"[^\w.-]", "-", f"{self.wandb.name}-adapters"), type="model")
+        artifact.add_dir(str(folder))
+        self.wandb.log_artifact(artifact)
 
     def close(self) -> None:
         self.metrics.close()

@@ -113,15 +113,23 @@ def train(cfg: TrainConfig) -> Path:
                 "env_step": env_step, "perf/update_s": update_s, "perf/step_s": step_s,
                 "perf/tokens_per_s": new_tokens / max(rollout.timings["gen_s"], 1e-9),
                 **{f"perf/{k}": v for k, v in rollout.timings.items()},
+                "perf/peak_mem_gb": peak_memory_gb(backend_device(agents)),
             })
             writer.log_metrics(step, metrics)
+            records = tree_records(step, rollout.problems, rollout.nodes)
             if cfg.logging.rollouts:
-                writer.log_trees(tree_records(step, rollout.problems, rollout.nodes))
+                writer.log_trees(records)
+            every = cfg.logging.samples_every
+            if every and (step % every == 0 or step == t.steps):
+                writer.log_samples(step, records)
             if t.save_every and step % t.save_every == 0:
                 _save(agents, run_dir / "checkpoints" / f"step_{step}")
             bar.update(1)
             bar.set_postfix(reward=f"{metrics['train/reward_mean']:.3f}", tok_s=f"{metrics['perf/tokens_per_s']:.0f}")
+            if cfg.logging.every and step % cfg.logging.every == 0:
+                bar.write(summary_line(step, t.steps, metrics, env.num_agents, t.num_turns), file=sys.stderr)
         _save(agents, run_dir / "adapters")
+        writer.log_adapters(run_dir / "adapters")
     finally:
         bar.close()
         writer.close()
@@ -166,6 +174,30 @@ def _metrics(rollout: Rollout, zero_std: np.ndarray, agent_stats: list[dict], nu
 def _save(agents, folder: Path) -> None:
     for agent in agents:
         agent.save(folder)
+
+
+def backend_device(agents) -> torch.device:
+    return next(agents[0].model.parameters()).device
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """Peak accelerator memory on a GPU, else the process's peak resident memory."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
+
+
+def summary_line(step: int, steps: int, m: dict[str, float], num_agents: int, num_turns: int) -> str:
+    """The compact console line: rewards per turn, loss per agent, speed, eval when it ran."""
+    turns = " ".join(f"t{t} {m[f'train/turn_{t}/reward_mean']:.3f}" for t in range(num_turns)
+                     if f"train/turn_{t}/reward_mean" in m)
+    losses = " ".join(f"a{a} {m[f'train/agent_{a}/loss']:+.4f}" for a in range(num_agents))
+    line = (f"step {step}/{steps} | reward {m['train/reward_mean']:.3f} ({turns}) | loss {losses} | "
+            f"{m['perf/tokens_per_s']:.0f} tok/s | {m['perf/step_s']:.1f} s/step")
+    last = f"eval/turn_{num_turns - 1}/pass@1_greedy"
+    return line + (f" | eval pass@1 {m[last]:.3f}" if last in m else "")
 
 
 class _NoBar:

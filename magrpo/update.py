@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .loss import gather_logprobs, policy_loss, sequence_weights
+from .loss import gather_logprobs, policy_loss, sequence_weights, token_entropy
 from .models import Agent
 
 
@@ -65,9 +65,10 @@ def pack(samples: list[TrainSample], pad_id: int) -> PackedBatch:
     )
 
 
-def forward_logprobs(model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
+def forward_logprobs(model: torch.nn.Module, batch: PackedBatch, entropy: list | None = None) -> torch.Tensor:
     """(R, C) log p(completion token t | prompt, tokens < t); read with batch.target_mask.
-    Logits are computed for completion positions only: long prompts cost no lm_head work."""
+    Logits are computed for completion positions only: long prompts cost no lm_head work.
+    `entropy`, when given, receives the (R, C) policy entropy per position (no gradient)."""
     out = model(input_ids=batch.prompt_ids, attention_mask=batch.prompt_mask,
                 position_ids=(batch.prompt_mask.cumsum(-1) - 1).clamp(min=0), use_cache=True, logits_to_keep=1)
     logits = out.logits[batch.expand]  # (R, 1, V): predicts completion token 0
@@ -77,6 +78,8 @@ def forward_logprobs(model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor
         rest = model(input_ids=batch.inputs, attention_mask=batch.attention, position_ids=batch.positions,
                      past_key_values=cache, use_cache=True).logits
         logits = torch.cat([logits, rest], dim=1)
+    if entropy is not None:
+        entropy.append(token_entropy(logits.detach()))
     return gather_logprobs(logits, batch.targets)
 
 
@@ -132,22 +135,24 @@ class AgentUpdater:
         model.train()
         old_logps: list[torch.Tensor] = []
         ref_logps: list[torch.Tensor | None] = []
-        totals = {"loss": 0.0, "clipped_tokens": 0.0, "kl_sum": 0.0}
+        totals = {"loss": 0.0, "clipped_tokens": 0.0, "kl_sum": 0.0, "entropy_sum": 0.0}
         grad_norm = 0.0
         for epoch in range(ppo_epochs):
             self.optimizer.zero_grad(set_to_none=True)
             for b, rows in enumerate(batches):
                 batch = pack([samples[i] for i in rows], agent.tokenizer.pad_token_id).to(device)
                 adv = torch.tensor([samples[i].advantage for i in rows], dtype=torch.float32, device=device)
-                logp = forward_logprobs(model, batch)
+                entropy: list[torch.Tensor] = []
+                logp = forward_logprobs(model, batch, entropy if epoch == 0 else None)
                 if epoch == 0:  # parameters have not moved yet: these are the behaviour log-probs
+                    totals["entropy_sum"] += float((entropy[0] * batch.target_mask).sum())
                     old_logps.append(logp.detach())
                     ref_logps.append(self._reference_logprobs(batch) if kl_coef > 0 else None)
                 loss, stats = policy_loss(logp, old_logps[b], adv, batch.target_mask, weights[rows].to(device),
                                           clip_eps, ref_logps[b], kl_coef)
                 loss.backward()
                 if epoch == ppo_epochs - 1:
-                    for key in totals:
+                    for key in ("loss", "clipped_tokens", "kl_sum"):
                         totals[key] += float(stats.get(key, 0.0))
             clip = max_grad_norm if max_grad_norm > 0 else float("inf")
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, clip))
@@ -155,7 +160,7 @@ class AgentUpdater:
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
         tokens = max(1, int(lengths[keep].sum())) if keep else 1
-        return {
+        out = {
             "loss": totals["loss"],
             "clip_frac": totals["clipped_tokens"] / tokens,
             "kl": totals["kl_sum"] / tokens,
@@ -164,6 +169,9 @@ class AgentUpdater:
             "completion_len": float(lengths.float().mean()),
             "trained_seqs": float(len(keep)),
         }
+        if keep:  # entropy of the policy on the tokens it trained on (none trained: no number)
+            out["entropy"] = totals["entropy_sum"] / tokens
+        return out
 
     @torch.no_grad()
     def _reference_logprobs(self, batch: PackedBatch) -> torch.Tensor:

@@ -26,6 +26,7 @@ SMALL = [
     "generation.max_new_tokens=6",
     "eval.max_problems=2",
     "eval.num_samples=2",
+    "logging.wandb.mode=disabled",  # tests that check wandb turn it on
 ]
 
 
