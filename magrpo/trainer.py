@@ -193,7 +193,7 @@ def summary_line(step: int, steps: int, m: dict[str, float], num_agents: int, nu
     """The compact console line: rewards per turn, loss per agent, speed, eval when it ran."""
     turns = " ".join(f"t{t} {m[f'train/turn_{t}/reward_mean']:.3f}" for t in range(num_turns)
                      if f"train/turn_{t}/reward_mean" in m)
-    losses = " ".join(f"a{a} {m[f'train/agent_{a}/loss']:+.4f}" for a in range(num_agents))
+    losses = " ".join(f"a{a} {m[f'train/agent_{a}/loss']:+.3g}" for a in range(num_agents))
     line = (f"step {step}/{steps} | reward {m['train/reward_mean']:.3f} ({turns}) | loss {losses} | "
             f"{m['perf/tokens_per_s']:.0f} tok/s | {m['perf/step_s']:.1f} s/step")
     last = f"eval/turn_{num_turns - 1}/pass@1_greedy"
