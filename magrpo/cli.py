@@ -126,11 +126,11 @@ def main(argv: Sequence[str]) -> int:
     import envs  # noqa: F401
     import external  # noqa: F401
 
-    from .trainer import prepare, train
+    from .trainer import TrainingError, prepare, train
 
     try:
         cfg = compose(overrides)
-        prepare(cfg)
+        prepared = prepare(cfg)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
@@ -140,13 +140,14 @@ def main(argv: Sequence[str]) -> int:
         print(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
         return 0
     from .feedback import FeedbackError
+    from .rollout import RewardError
 
     try:
-        train(cfg)
+        train(cfg, prepared)
     except ConfigError as e:  # found only while loading, e.g. a hub id that cannot be fetched
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    except FeedbackError as e:
+    except (FeedbackError, RewardError, TrainingError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0

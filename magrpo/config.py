@@ -107,8 +107,8 @@ class TrainerConfig:
     """k3 KL to the reference (base model, adapter disabled); 0 = off."""
     seed: int = 0
     """Seeds python, numpy, torch and the data order."""
-    save_every: int = 0
-    """Save adapters every this many steps (0 = only at the end)."""
+    max_bad_steps: int = 3
+    """Updates with a NaN/inf loss or gradient are skipped (and counted); stop after this many steps in a row."""
 
 
 @dataclass
@@ -198,6 +198,20 @@ class ExternalConfig:
 
 
 @dataclass
+class RewardConfig:
+    on_error: str = "raise"
+    """When the env raises or returns NaN for a joint action: raise (stop, naming it) | zero (reward 0, no child, counted)."""
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 0
+    """Write a resumable checkpoint every this many steps (0 = only at the end and on SIGTERM/SIGINT)."""
+    keep: int = 2
+    """Checkpoints to keep; older ones are deleted."""
+
+
+@dataclass
 class TrainConfig:
     env: dict[str, Any] = field(default_factory=lambda: {"name": "length_ratio"})
     """Environment: `name` picks a registered env; other keys are that env's own config."""
@@ -210,6 +224,10 @@ class TrainConfig:
     external: ExternalConfig = field(default_factory=ExternalConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    resume: Optional[str] = None
+    """Continue a run: auto (the newest complete checkpoint in logging.run_dir; none: start fresh) | a checkpoint folder | null."""
 
 
 def _choice(key: str, value: str, allowed: list[str]) -> None:
@@ -237,7 +255,14 @@ def validate(cfg: TrainConfig) -> None:
     _at_least("trainer.micro_batch_size", t.micro_batch_size, 1)
     _at_least("trainer.ppo_epochs", t.ppo_epochs, 1)
     _at_least("trainer.warmup_steps", t.warmup_steps, 0)
-    _at_least("trainer.save_every", t.save_every, 0)
+    _at_least("trainer.max_bad_steps", t.max_bad_steps, 0)
+    _choice("reward.on_error", cfg.reward.on_error, ["raise", "zero"])
+    _at_least("checkpoint.every", cfg.checkpoint.every, 0)
+    _at_least("checkpoint.keep", cfg.checkpoint.keep, 1)
+    if cfg.resume is not None and cfg.resume != "auto" and not os.path.isfile(os.path.join(cfg.resume, "COMPLETE")):
+        raise ConfigError("resume", f"{cfg.resume!r} is not a complete checkpoint folder (give auto, null or a checkpoints/step_N folder)")
+    if cfg.resume == "auto" and not cfg.logging.run_dir:
+        raise ConfigError("resume", "auto needs logging.run_dir: the run directory whose checkpoints to continue from")
     _at_least("trainer.kl_coef", t.kl_coef, 0.0)
     _at_least("trainer.max_grad_norm", t.max_grad_norm, 0.0)
     if t.lr <= 0:

@@ -53,6 +53,14 @@ class Environment:
         """Counters the env keeps (cumulative), logged with every step under their own names."""
         return {}
 
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint must keep for metrics() to continue exactly after a resume."""
+        return {}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        for key, value in state.items():
+            setattr(self, key, value)
+
     def outcomes(self, problems: Sequence[Mapping[str, Any]], joint_completions: Sequence[Sequence[str]]) -> list[dict[str, float]]:
         """Evaluation: named numbers per joint action, "reward" among them. A "passed" key (0/1)
         turns on pass@k. Default: the reward alone."""

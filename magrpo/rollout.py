@@ -9,7 +9,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from .advantage import agent_credit, group_advantages, tree_returns
-from .env import Environment
+from .env import Environment, Scored
 from .feedback import Branch
 from .generation import GenerationBackend, GenerationRequest, SamplingParams
 from .tree import Node, joint_actions
@@ -21,6 +21,35 @@ class TreeSettings:
     num_turns: int
     joint_mode: str
     early_termination_threshold: float | None = None
+    on_reward_error: str = "raise"  # raise | zero (the joint action scores 0 and gets no child)
+
+
+class RewardError(RuntimeError):
+    """The env raised or returned a non-finite reward (reported as one line by the CLI)."""
+
+
+def score_guarded(env: Environment, owners: list, texts: list, on_error: str, turn: int) -> tuple[list[Scored], list[bool]]:
+    """env.score over a whole turn; on failure, each joint action alone, to name (raise) or zero the bad ones."""
+    try:
+        scored = env.score(owners, texts)
+        if all(np.isfinite(s.reward) for s in scored):
+            return scored, [False] * len(scored)
+    except Exception:  # noqa: BLE001  (any env error: find the joint action that caused it)
+        pass
+    out, failed = [], []
+    for i, (owner, joint_texts) in enumerate(zip(owners, texts)):
+        try:
+            (one,) = env.score([owner], [joint_texts])
+            error = None if np.isfinite(one.reward) else f"non-finite reward {one.reward}"
+        except Exception as e:  # noqa: BLE001
+            error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        if error is not None and on_error == "raise":
+            problem = owner.get("task_id") or str(owner.get("prompt", ""))[:60]
+            raise RewardError(f"env {type(env).__name__} failed on joint action {i} of turn {turn} (problem {problem!r}, "
+                              f"completions {[t[:40] for t in joint_texts]}): {error}; set reward.on_error=zero to score it 0")
+        out.append(one if error is None else Scored(0.0, {"reward": 0.0}))
+        failed.append(error is not None)
+    return out, failed
 
 
 @dataclass
@@ -29,6 +58,7 @@ class Rollout:
     nodes: list[Node]
     timings: dict[str, float] = field(default_factory=dict)  # gen_s, reward_s, feedback_s
     terminated_per_turn: list[int] = field(default_factory=list)
+    reward_errors: int = 0  # joint actions scored 0 because the env failed on them (reward.on_error=zero)
 
 
 def expand_trees(
@@ -65,10 +95,10 @@ def expand_trees(
         # 2) score: one env call for every joint action of this turn
         texts = [[node.completions[a][j[a]].text for a in range(n)] for node in level for j in joint]
         owners = [problems[node.tree] for node in level for _ in joint]
-        scored = env.score(owners, texts)
+        scored, failed = score_guarded(env, owners, texts, tree.on_reward_error, turn)
         rewards = np.asarray([s.reward for s in scored], dtype=np.float64).reshape(len(level), len(joint))
-        if not np.isfinite(rewards).all():
-            raise ValueError(f"env {type(env).__name__} returned a non-finite reward at turn {turn}")
+        failed = np.asarray(failed, dtype=bool).reshape(len(level), len(joint))
+        rollout.reward_errors += int(failed.sum())
         t2 = time.perf_counter()
 
         # 3) expand: joint actions that are neither at the turn limit nor terminated get a child;
@@ -79,9 +109,9 @@ def expand_trees(
         for i, node in enumerate(level):
             node.rewards = rewards[i]
             node.outcomes = [s.outcomes for s in scored[i * len(joint) : (i + 1) * len(joint)]]
-            stop = np.zeros(len(joint), dtype=bool)
+            stop = failed[i].copy()  # a joint action the env could not score is a leaf
             if tree.early_termination_threshold is not None:
-                stop = rewards[i] >= tree.early_termination_threshold
+                stop |= rewards[i] >= tree.early_termination_threshold
             node.terminated = stop if turn < tree.num_turns - 1 else np.zeros(len(joint), dtype=bool)
             terminated += int(node.terminated.sum())
             node.children = [None] * len(joint)

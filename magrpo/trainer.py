@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import random
+import signal
 import sys
+import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -10,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from . import checkpoint
 from .config import TrainConfig, validate
 from .env import Environment, make_env
 from .evaluation import evaluate
@@ -33,6 +36,13 @@ class ProblemSampler:
     def __init__(self, problems, seed: int):
         self.problems, self.rng, self.order = problems, np.random.default_rng(seed), []
 
+    def state(self) -> dict:
+        return {"order": list(self.order), "rng": self.rng.bit_generator.state}
+
+    def load_state(self, state: dict) -> None:
+        self.order = list(state["order"])
+        self.rng.bit_generator.state = state["rng"]
+
     def next(self, batch_size: int) -> list:
         while len(self.order) < batch_size:
             self.order.extend(self.rng.permutation(len(self.problems)).tolist())
@@ -50,8 +60,12 @@ def prepare(cfg: TrainConfig) -> tuple[Environment, Feedback]:
     return env, feedback
 
 
-def train(cfg: TrainConfig) -> Path:
-    env, feedback = prepare(cfg)
+class TrainingError(RuntimeError):
+    """Training cannot go on (reported as one line by the CLI); the last checkpoint is intact."""
+
+
+def train(cfg: TrainConfig, prepared: tuple[Environment, Feedback] | None = None) -> Path:
+    env, feedback = prepared or prepare(cfg)
     seed_everything(cfg.trainer.seed)
     t = cfg.trainer
     from .hf_backend import HFBackend
@@ -61,16 +75,31 @@ def train(cfg: TrainConfig) -> Path:
     backend = HFBackend(agents, cfg.generation.max_batch_rows)
     updaters = [AgentUpdater(a, t.lr, t.weight_decay, t.warmup_steps) for a in agents]
     run_dir = make_run_dir(cfg.logging.run_dir, cfg.env["name"])
-    writer = RunWriter(run_dir, asdict(cfg), cfg.logging.wandb)
     sampler = ProblemSampler(env.problems("train"), t.seed)
+    first_step, env_step = 1, 0
+    if cfg.resume:
+        state = checkpoint.resume(cfg.resume, run_dir, agents, updaters)
+        last = state["step"] if state else -1  # auto without a checkpoint: start over, drop old logs
+        if state:
+            first_step, env_step = state["step"] + 1, state["env_step"]
+            sampler.load_state(state["sampler"])
+            env.load_state(state["env"])
+        for name in ("metrics.jsonl", "rollouts.jsonl"):  # what the interrupted run wrote after its checkpoint
+            checkpoint.truncate_log(run_dir / name, last)
+    writer = RunWriter(run_dir, asdict(cfg), cfg.logging.wandb)
     eval_problems = env.problems("eval")[: cfg.eval.max_problems or None]
-    tree = TreeSettings(t.num_generations, t.num_turns, t.joint_mode, t.early_termination_threshold)
+    tree = TreeSettings(t.num_generations, t.num_turns, t.joint_mode, t.early_termination_threshold, cfg.reward.on_error)
+    bad_in_row = 0
     g = cfg.generation
     sampling = SamplingParams(g.max_new_tokens, g.temperature, g.top_p, g.top_k)
     print(f"magrpo: {env.num_agents} agent(s), K={t.num_generations}, T={t.num_turns}, {t.joint_mode}; "
           f"run dir {run_dir}", file=sys.stderr)
-    bar = _progress(t.steps, cfg.logging.progress)
-    env_step = 0
+    bar = _progress(t.steps, cfg.logging.progress, initial=first_step - 1)
+    stop = _StopSignals()
+
+    def save_checkpoint(step: int) -> Path:
+        state = {"step": step, "env_step": env_step, "sampler": sampler.state(), "env": env.state()}
+        return checkpoint.save(run_dir, step, agents, updaters, state, cfg.checkpoint.keep)
 
     def run_eval() -> dict[str, float]:
         bar.write(f"magrpo: evaluating {len(eval_problems)} problem(s), greedy + {cfg.eval.num_samples} sample(s), "
@@ -83,9 +112,9 @@ def train(cfg: TrainConfig) -> Path:
         return out
 
     try:
-        if cfg.eval.at_start:
+        if cfg.eval.at_start and first_step == 1:
             writer.log_metrics(0, {**run_eval(), **feedback.metrics()})
-        for step in range(1, t.steps + 1):
+        for step in range(first_step, t.steps + 1):
             start = time.perf_counter()
             tokens_before = backend.generated_tokens
             rollout = expand_trees(sampler.next(t.batch_size), env, backend, feedback, tree, sampling)
@@ -102,9 +131,16 @@ def train(cfg: TrainConfig) -> Path:
             ]
             backend.sync_weights()
             update_s = time.perf_counter() - u0
+            bad = [a for a, stats in enumerate(agent_stats) if stats["skipped_updates"]]
+            bad_in_row = bad_in_row + 1 if bad else 0
+            if bad_in_row > t.max_bad_steps:
+                raise TrainingError(f"{bad_in_row} steps in a row had a NaN/inf loss or gradient (agents {bad}; last at "
+                                    f"step {step}); stopping (trainer.max_bad_steps={t.max_bad_steps}). Lower trainer.lr "
+                                    f"or check the rewards; the last checkpoint is intact")
             step_s = time.perf_counter() - start
 
             metrics = _metrics(rollout, zero_std, agent_stats, t.num_turns)
+            metrics["train/reward_errors"] = rollout.reward_errors
             metrics.update(env.metrics())
             if (cfg.eval.every and step % cfg.eval.every == 0) or (cfg.eval.at_end and step == t.steps):
                 metrics.update(run_eval())
@@ -122,15 +158,21 @@ def train(cfg: TrainConfig) -> Path:
             every = cfg.logging.samples_every
             if every and (step % every == 0 or step == t.steps):
                 writer.log_samples(step, records)
-            if t.save_every and step % t.save_every == 0:
-                _save(agents, run_dir / "checkpoints" / f"step_{step}")
+            every = cfg.checkpoint.every
+            if (every and step % every == 0) or step == t.steps or stop.signal:
+                save_checkpoint(step)
             bar.update(1)
             bar.set_postfix(reward=f"{metrics['train/reward_mean']:.3f}", tok_s=f"{metrics['perf/tokens_per_s']:.0f}")
             if cfg.logging.every and step % cfg.logging.every == 0:
                 bar.write(summary_line(step, t.steps, metrics, env.num_agents, t.num_turns), file=sys.stderr)
+            if stop.signal:
+                print(f"\nmagrpo: stopped by {stop.signal.name} after step {step}; checkpoint written, continue "
+                      f"with resume=auto logging.run_dir={run_dir}", file=sys.stderr)
+                return run_dir
         _save(agents, run_dir / "adapters")
         writer.log_adapters(run_dir / "adapters")
     finally:
+        stop.restore()
         bar.close()
         writer.close()
     print(f"magrpo: done; adapters in {run_dir / 'adapters'}", file=sys.stderr)
@@ -207,9 +249,30 @@ class _NoBar:
     def close(self): ...
 
 
-def _progress(total: int, enabled: bool):
+def _progress(total: int, enabled: bool, initial: int = 0):
     if not enabled:
         return _NoBar()
     from tqdm import tqdm
 
-    return tqdm(total=total, desc="magrpo", unit="step", dynamic_ncols=True)
+    return tqdm(total=total, initial=initial, desc="magrpo", unit="step", dynamic_ncols=True)
+
+
+class _StopSignals:
+    """SIGTERM/SIGINT end the run after the current step, with a checkpoint (a second one stops now)."""
+
+    def __init__(self):
+        self.signal: signal.Signals | None = None
+        self.previous = {}
+        if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self.previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        if self.signal is not None:
+            raise KeyboardInterrupt
+        self.signal = signal.Signals(signum)
+        print(f"\nmagrpo: {self.signal.name}: finishing this step, then writing a checkpoint", file=sys.stderr)
+
+    def restore(self) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)

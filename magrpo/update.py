@@ -1,6 +1,7 @@
 """Per-agent policy update: batched, masked forward passes over the agent's own completions."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -137,6 +138,7 @@ class AgentUpdater:
         ref_logps: list[torch.Tensor | None] = []
         totals = {"loss": 0.0, "clipped_tokens": 0.0, "kl_sum": 0.0, "entropy_sum": 0.0}
         grad_norm = 0.0
+        skipped = 0
         for epoch in range(ppo_epochs):
             self.optimizer.zero_grad(set_to_none=True)
             for b, rows in enumerate(batches):
@@ -156,9 +158,14 @@ class AgentUpdater:
                         totals[key] += float(stats.get(key, 0.0))
             clip = max_grad_norm if max_grad_norm > 0 else float("inf")
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, clip))
+            if not math.isfinite(grad_norm):  # a NaN/inf loss or gradient: keep the weights, count it
+                self.optimizer.zero_grad(set_to_none=True)
+                skipped = 1
+                continue
             self.optimizer.step()
         lr = self.scheduler.get_last_lr()[0]
-        self.scheduler.step()
+        if not skipped:  # the schedule counts updates that happened
+            self.scheduler.step()
         tokens = max(1, int(lengths[keep].sum())) if keep else 1
         out = {
             "loss": totals["loss"],
@@ -168,6 +175,7 @@ class AgentUpdater:
             "lr": lr,
             "completion_len": float(lengths.float().mean()),
             "trained_seqs": float(len(keep)),
+            "skipped_updates": float(skipped),
         }
         if keep:  # entropy of the policy on the tokens it trained on (none trained: no number)
             out["entropy"] = totals["entropy_sum"] / tokens

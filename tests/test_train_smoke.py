@@ -84,9 +84,9 @@ def test_early_termination_is_logged(make_cfg):
 
 def test_wandb_offline_and_periodic_adapter_saves(make_cfg, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
-    run = train(make_cfg("logging.wandb.mode=offline", "trainer.save_every=1"))
+    run = train(make_cfg("logging.wandb.mode=offline", "checkpoint.every=1", "checkpoint.keep=5"))
     offline = list((run / "wandb").glob("offline-run-*"))
     assert len(offline) == 1 and list(offline[0].glob("*.wandb")), "no wandb offline run written"
     for step in (1, 2):
         for agent in (0, 1):
-            assert (run / "checkpoints" / f"step_{step}" / f"agent_{agent}" / "adapter_model.safetensors").is_file()
+            assert (run / "checkpoints" / f"step_{step:06d}" / f"agent_{agent}" / "adapter_model.safetensors").is_file()

@@ -115,6 +115,9 @@ class CodeEnv(Environment):
             "perf/sandbox_runs_per_s": self.sandbox_runs / self.sandbox_s if self.sandbox_s else 0.0,
         }
 
+    def state(self) -> dict[str, Any]:
+        return {"sandbox_runs": self.sandbox_runs, "timeouts": self.timeouts, "sandbox_s": self.sandbox_s}
+
     def agent_prompts(self, problem: Mapping[str, Any]) -> list[str]:
         sig = self._parsed[problem["task_id"]][0]
         values = dict(prompt=problem["prompt"].strip(), name=sig.name, params=", ".join(sig.params),

@@ -1,0 +1,86 @@
+"""Guards: NaN/inf updates are skipped and counted, too many in a row stop the run; an env that
+raises or returns NaN is named (reward.on_error=raise) or scored 0 as a leaf (zero)."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+import magrpo.update
+from magrpo.config import ExternalConfig
+from magrpo.feedback import Feedback
+from magrpo.rollout import RewardError, TreeSettings, expand_trees
+from magrpo.trainer import TrainingError, train
+from tests.test_tree_shape import PROBLEMS, SAMPLING, TEXT, FakeBackend, FakeEnv
+
+
+def nan_loss_on(calls_to_poison):
+    """policy_loss whose result is NaN on the given (1-based) calls."""
+    real, count = magrpo.update.policy_loss, {"n": 0}
+
+    def poisoned(*args, **kwargs):
+        count["n"] += 1
+        loss, stats = real(*args, **kwargs)
+        return (loss * math.nan if count["n"] in calls_to_poison else loss), stats
+
+    return poisoned
+
+
+def test_nan_update_is_skipped_counted_and_training_goes_on(make_cfg, monkeypatch):
+    monkeypatch.setattr(magrpo.update, "policy_loss", nan_loss_on({1}))  # agent 0's first micro-batch
+    run = train(make_cfg("trainer.steps=2", "trainer.kl_coef=0.01"))  # KL: every row trains, so the loss is called
+    metrics = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    assert [m["train/agent_0/skipped_updates"] for m in metrics] == [1.0, 0.0]
+    assert [m["train/agent_1/skipped_updates"] for m in metrics] == [0.0, 0.0]
+
+
+def test_too_many_bad_steps_in_a_row_stop_with_a_clear_error(make_cfg, monkeypatch):
+    monkeypatch.setattr(magrpo.update, "policy_loss", nan_loss_on(set(range(1, 1000))))
+    cfg = make_cfg("trainer.steps=5", "trainer.kl_coef=0.01", "trainer.max_bad_steps=2", "checkpoint.every=1")
+    with pytest.raises(TrainingError, match=r"^3 steps in a row .*\(trainer\.max_bad_steps=2\)"):
+        train(cfg)
+    import torch
+
+    # the checkpoints before the stop hold the untouched (finite) weights
+    state = torch.load(f"{cfg.logging.run_dir}/checkpoints/step_000002/agent_0/train.pt", weights_only=False)
+    assert all(torch.isfinite(p).all() for p in state["params"])
+
+
+def failing_on_k1_of_agent0(problem, texts):
+    """Raises for joint actions whose agent-0 completion is sample k=1, NaN for k=2, else index sum."""
+    k = int(TEXT.match(texts[0]).group(2))
+    if k == 1:
+        raise ZeroDivisionError("the grader divided by zero")
+    return math.nan if k == 2 else float(k)
+
+
+def expand(on_error):
+    env = FakeEnv(2, failing_on_k1_of_agent0)
+    settings = TreeSettings(num_generations=3, num_turns=2, joint_mode="align", on_reward_error=on_error)
+    return expand_trees(PROBLEMS, env, FakeBackend(), Feedback(ExternalConfig(), env, lambda **kw: ["x", "y"]),
+                        settings, SAMPLING)
+
+
+def test_raising_env_is_named_with_the_joint_action():
+    with pytest.raises(RewardError, match=r"env FakeEnv failed on joint action 1 of turn 0 \(problem 'P0'.*"
+                                          r"ZeroDivisionError: the grader divided by zero; set reward.on_error=zero"):
+        expand("raise")
+
+
+def test_nan_reward_is_named_too():
+    env = FakeEnv(2, lambda problem, texts: math.nan)
+    settings = TreeSettings(num_generations=2, num_turns=1, joint_mode="align")
+    with pytest.raises(RewardError, match="joint action 0 of turn 0 .*non-finite reward nan"):
+        expand_trees(PROBLEMS, env, FakeBackend(), Feedback(ExternalConfig(), env, lambda **kw: ["x", "y"]),
+                     settings, SAMPLING)
+
+
+def test_zero_mode_scores_failures_zero_as_leaves_and_counts_them():
+    rollout = expand("zero")
+    roots = [n for n in rollout.nodes if n.turn == 0]
+    for node in roots:  # align K=3: joint j is sample j of both agents; 1 raises, 2 is NaN
+        assert node.rewards.tolist() == [0.0, 0.0, 0.0]
+        assert node.terminated.tolist() == [False, True, True]
+        assert [c is None for c in node.children] == [False, True, True]
+    assert rollout.reward_errors == 2 * 2 + 2 * 2  # per turn: 2 trees x 2 failing joint actions
