@@ -24,6 +24,12 @@ class HFBackend:
         self.max_batch_rows = max_batch_rows  # 0 = everything in one call
         self.generate_calls = 0
         self.generated_tokens = 0
+        self.largest_chunk = 0  # rows of the biggest decode so far (what an out-of-memory halves)
+
+    def halve_batch(self) -> int:
+        """After an out-of-memory: decode at most half the rows of the biggest chunk from now on."""
+        self.max_batch_rows = max(1, (self.max_batch_rows or self.largest_chunk) // 2)
+        return self.max_batch_rows
 
     def sync_weights(self) -> None:
         """Generation runs on the trainer's own modules: nothing to copy."""
@@ -41,6 +47,7 @@ class HFBackend:
             chunk = self.max_batch_rows or len(rows)
             for start in range(0, len(rows), chunk):
                 part = rows[start : start + chunk]
+                self.largest_chunk = max(self.largest_chunk, len(part))
                 for r, completion in zip(part, self._generate_rows(requests, part, prompt_ids, params)):
                     results[r].append(completion)
         return results

@@ -90,6 +90,7 @@ def train(cfg: TrainConfig, prepared: tuple[Environment, Feedback] | None = None
     eval_problems = env.problems("eval")[: cfg.eval.max_problems or None]
     tree = TreeSettings(t.num_generations, t.num_turns, t.joint_mode, t.early_termination_threshold, cfg.reward.on_error)
     bad_in_row = 0
+    micro = [t.micro_batch_size]  # halved for the rest of the run after an out-of-memory
     g = cfg.generation
     sampling = SamplingParams(g.max_new_tokens, g.temperature, g.top_p, g.top_k)
     print(f"magrpo: {env.num_agents} agent(s), K={t.num_generations}, T={t.num_turns}, {t.joint_mode}; "
@@ -117,16 +118,20 @@ def train(cfg: TrainConfig, prepared: tuple[Environment, Feedback] | None = None
         for step in range(first_step, t.steps + 1):
             start = time.perf_counter()
             tokens_before = backend.generated_tokens
-            rollout = expand_trees(sampler.next(t.batch_size), env, backend, feedback, tree, sampling)
+            problems = sampler.next(t.batch_size)
+            rollout = oom_retry(lambda: expand_trees(problems, env, backend, feedback, tree, sampling),
+                                backend.halve_batch, "generation.max_batch_rows")
             new_tokens = backend.generated_tokens - tokens_before  # before evaluation adds its own tokens
             zero_std = assign_advantages(rollout.nodes, t.discount, t.cross_credit, t.baseline, t.advantage_scale)
             env_step += sum(len(n.joint) for n in rollout.nodes)
 
             u0 = time.perf_counter()
             agent_stats = [
-                up.step(_samples_of(rollout, a.index), loss_agg=t.loss_agg, max_new_tokens=g.max_new_tokens,
-                        micro_batch_size=t.micro_batch_size, ppo_epochs=t.ppo_epochs, clip_eps=t.clip_eps,
-                        kl_coef=t.kl_coef, max_grad_norm=t.max_grad_norm)
+                oom_retry(lambda: up.step(_samples_of(rollout, a.index), loss_agg=t.loss_agg,
+                                          max_new_tokens=g.max_new_tokens, micro_batch_size=micro[0],
+                                          ppo_epochs=t.ppo_epochs, clip_eps=t.clip_eps, kl_coef=t.kl_coef,
+                                          max_grad_norm=t.max_grad_norm),
+                          lambda: _halve(micro), "trainer.micro_batch_size")
                 for a, up in zip(agents, updaters)
             ]
             backend.sync_weights()
@@ -216,6 +221,38 @@ def _metrics(rollout: Rollout, zero_std: np.ndarray, agent_stats: list[dict], nu
 def _save(agents, folder: Path) -> None:
     for agent in agents:
         agent.save(folder)
+
+
+def _halve(cell: list[int]) -> int:
+    cell[0] = max(1, cell[0] // 2)
+    return cell[0]
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    return isinstance(error, torch.OutOfMemoryError) or "can't allocate memory" in str(error)
+
+
+def oom_retry(run, shrink, setting: str):
+    """run(); on out-of-memory, shrink() (halves `setting`, returns the new size) and run once more.
+    A second out-of-memory stops training with a line naming the setting; the last checkpoint stays."""
+    try:
+        return run()
+    except RuntimeError as e:
+        if not is_out_of_memory(e):
+            raise
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    size = shrink()
+    from tqdm import tqdm  # a warning even in quiet mode; tqdm.write keeps a progress bar intact
+
+    tqdm.write(f"magrpo: out of memory; retrying with {setting}={size} (kept for the rest of the run)", file=sys.stderr)
+    try:
+        return run()
+    except RuntimeError as e:
+        if not is_out_of_memory(e):
+            raise
+        raise TrainingError(f"out of memory again with {setting}={size}; lower {setting} (or the batch size, "
+                            f"K, max_new_tokens); the last checkpoint is intact") from None
 
 
 def backend_device(agents) -> torch.device:

@@ -84,3 +84,42 @@ def test_zero_mode_scores_failures_zero_as_leaves_and_counts_them():
         assert node.terminated.tolist() == [False, True, True]
         assert [c is None for c in node.children] == [False, True, True]
     assert rollout.reward_errors == 2 * 2 + 2 * 2  # per turn: 2 trees x 2 failing joint actions
+
+
+def test_update_out_of_memory_halves_the_micro_batch_once(make_cfg, monkeypatch, capsys):
+    import magrpo.update as update
+
+    # a packed micro-batch has one row of targets per sample: fail above 4 samples
+    real = update.forward_logprobs
+    monkeypatch.setattr(update, "forward_logprobs",
+                        lambda model, batch, entropy=None: _oom_if(batch.targets.shape[0] > 4) or real(model, batch, entropy))
+    run = train(make_cfg("trainer.steps=1", "trainer.kl_coef=0.01", "trainer.micro_batch_size=8", "eval.at_end=false"))
+    assert "out of memory; retrying with trainer.micro_batch_size=4" in capsys.readouterr().err
+    assert (run / "adapters" / "agent_0").is_dir()
+
+
+def test_update_out_of_memory_twice_names_the_setting(make_cfg, monkeypatch):
+    import magrpo.update as update
+
+    monkeypatch.setattr(update, "forward_logprobs", lambda model, batch, entropy=None: _oom_if(True))
+    with pytest.raises(TrainingError, match="out of memory again with trainer.micro_batch_size=16; lower trainer.micro_batch_size"):
+        train(make_cfg("trainer.steps=1", "trainer.kl_coef=0.01", "eval.at_end=false"))
+
+
+def test_generation_out_of_memory_halves_the_decode_batch(make_cfg, monkeypatch, capsys):
+    from magrpo.hf_backend import HFBackend
+
+    real = HFBackend._generate_rows
+    monkeypatch.setattr(HFBackend, "_generate_rows",
+                        lambda self, requests, rows, prompt_ids, params: _oom_if(len(rows) > 4)
+                        or real(self, requests, rows, prompt_ids, params))
+    train(make_cfg("trainer.steps=1", "eval.at_end=false"))  # B=2, N=2, K=2: 8 rows at turn 0
+    assert "retrying with generation.max_batch_rows=4" in capsys.readouterr().err
+
+
+def _oom_if(condition):
+    import torch
+
+    if condition:
+        raise torch.OutOfMemoryError("CUDA out of memory (raised by the test)")
+    return None
