@@ -96,3 +96,37 @@ def test_one_generate_call_per_turn_and_prefix_cache_hits(setup, truncate_env, m
     assert backend.generate_calls - before == 2  # one per turn for all trees, nodes, agents and samples
     assert len(rollout.nodes) == 2 * (1 + (3 if mode == "align" else 9))
     assert backend.metrics()["perf/prefix_cache_hit_rate"] > 0.5
+
+
+def optimizer_step(agent, backend, lr=0.05):
+    """One real AgentUpdater step on the agent's own samples, with alternating advantages."""
+    out = backend.generate([GenerationRequest(p, agent.index, 2) for p in PROMPTS], SamplingParams(max_new_tokens=6))
+    samples = [TrainSample(c.prompt_ids, c.token_ids, 1.0 if k == 0 else -1.0) for cs in out for k, c in enumerate(cs)]
+    AgentUpdater(agent, lr, 0.0, 0).step(samples, loss_agg="token_mean", max_new_tokens=6, micro_batch_size=32,
+                                         ppo_epochs=1, clip_eps=0.2, kl_coef=0.0, max_grad_norm=0.0)
+
+
+def test_after_an_optimizer_step_and_a_sync_the_engine_serves_the_new_adapter(setup):
+    agents, backend = setup
+    old_ids = {r.lora_int_id for r in backend.lora.values()}
+    optimizer_step(agents[1], backend)
+    backend.sync_weights()  # runs the probe guard itself
+    assert max(backend.check_probe().values()) < 1e-3
+    engine = next(iter(backend.engines.values())).llm_engine
+    served = set(engine.list_loras())
+    assert served == {r.lora_int_id for r in backend.lora.values()} and not served & old_ids  # new ids, old evicted
+    requests = [GenerationRequest(p, a, 1) for p in PROMPTS for a in (0, 1)]
+    greedy = SamplingParams(max_new_tokens=16, greedy=True)
+    hf = HFBackend(agents).generate(requests, greedy)
+    assert [c[0].token_ids for c in backend.generate(requests, greedy)] == [c[0].token_ids for c in hf]
+
+
+def test_a_skipped_sync_makes_the_guard_fail(setup):
+    agents, backend = setup
+    optimizer_step(agents[0], backend)
+    with pytest.raises(SyncError, match="agent 0's adapter changed since the last sync_weights"):
+        backend.generate([GenerationRequest("x", 0, 1)], SamplingParams(max_new_tokens=2))
+    with pytest.raises(SyncError, match="engine's log-probs for agent 0 differ"):
+        backend.check_probe()  # the engine still serves the previous version
+    backend.sync_weights()
+    backend.generate([GenerationRequest("x", 0, 1)], SamplingParams(max_new_tokens=2))
