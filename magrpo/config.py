@@ -130,7 +130,7 @@ class VLLMConfig:
     kv_cache_gb: int = 1
     """CPU only: KV cache size in whole GiB (VLLM_CPU_KVCACHE_SPACE)."""
     guard_tol: float = 0.02
-    """Sync guard: after each sync the engine's log-probs of a fixed probe sequence must match the trainer's within this (max abs difference), else the run stops."""
+    """Sync guard: after each sync the engine's log-probs of a fixed probe sequence must match the trainer's within this (mean abs difference per token), else the run stops."""
 
 
 @dataclass

@@ -50,6 +50,14 @@ class GenerationBackend(Protocol):
         """Free generation memory for the update (woken up by the next sync_weights)."""
         ...
 
+    def metrics(self) -> dict[str, float]:
+        """The backend's own numbers since the last call (e.g. perf/prefix_cache_hit_rate)."""
+        ...
+
+    def close(self) -> None:
+        """Release engines and their processes (end of the run)."""
+        ...
+
 
 # name -> factory(cfg, agents). Factories import their backend module on use: vllm is optional.
 BACKENDS: Registry[Callable[["TrainConfig", "list[Agent]"], GenerationBackend]] = Registry("backend")

@@ -31,6 +31,12 @@ class HFBackend:
     def sleep(self) -> None:
         """Nothing of its own to free: the modules are the trainer's."""
 
+    def metrics(self) -> dict[str, float]:
+        return {}
+
+    def close(self) -> None:
+        """Nothing to shut down."""
+
     @torch.no_grad()
     def generate(self, requests: Sequence[GenerationRequest], params: SamplingParams) -> list[list[Completion]]:
         results: list[list[Completion]] = [[] for _ in requests]

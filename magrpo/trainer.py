@@ -14,7 +14,7 @@ from .config import TrainConfig, validate
 from .env import Environment, make_env
 from .evaluation import evaluate
 from .feedback import Feedback
-from .generation import SamplingParams
+from .generation import SamplingParams, make_backend
 from .rollout import Rollout, TreeSettings, assign_advantages, expand_trees
 from .run_io import RunWriter, make_run_dir, tree_records
 from .tree import count_leaves
@@ -54,11 +54,10 @@ def train(cfg: TrainConfig) -> Path:
     env, feedback = prepare(cfg)
     seed_everything(cfg.trainer.seed)
     t = cfg.trainer
-    from .hf_backend import HFBackend
     from .models import load_agents
 
     agents = load_agents(cfg, env.num_agents)
-    backend = HFBackend(agents, cfg.generation.max_batch_rows)
+    backend = make_backend(cfg, agents)
     updaters = [AgentUpdater(a, t.lr, t.weight_decay, t.warmup_steps) for a in agents]
     run_dir = make_run_dir(cfg.logging.run_dir, cfg.env["name"])
     writer = RunWriter(run_dir, asdict(cfg), cfg.logging.wandb)
@@ -66,7 +65,8 @@ def train(cfg: TrainConfig) -> Path:
     eval_problems = env.problems("eval")[: cfg.eval.max_problems or None]
     tree = TreeSettings(t.num_generations, t.num_turns, t.joint_mode, t.early_termination_threshold)
     g = cfg.generation
-    sampling = SamplingParams(g.max_new_tokens, g.temperature, g.top_p, g.top_k)
+    # Sampling log-probs feed the train/inference mismatch metrics and truncated importance sampling.
+    sampling = SamplingParams(g.max_new_tokens, g.temperature, g.top_p, g.top_k, logprobs=True)
     print(f"magrpo: {env.num_agents} agent(s), K={t.num_generations}, T={t.num_turns}, {t.joint_mode}; "
           f"run dir {run_dir}", file=sys.stderr)
     bar = _progress(t.steps, cfg.logging.progress)
@@ -94,18 +94,21 @@ def train(cfg: TrainConfig) -> Path:
             env_step += sum(len(n.joint) for n in rollout.nodes)
 
             u0 = time.perf_counter()
+            backend_metrics = backend.metrics()  # this rollout's numbers (e.g. prefix-cache hits), before eval
+            backend.sleep()
             agent_stats = [
                 up.step(_samples_of(rollout, a.index), loss_agg=t.loss_agg, max_new_tokens=g.max_new_tokens,
                         micro_batch_size=t.micro_batch_size, ppo_epochs=t.ppo_epochs, clip_eps=t.clip_eps,
-                        kl_coef=t.kl_coef, max_grad_norm=t.max_grad_norm)
+                        kl_coef=t.kl_coef, max_grad_norm=t.max_grad_norm, tis_cap=t.tis_cap)
                 for a, up in zip(agents, updaters)
             ]
-            backend.sync_weights()
+            backend.sync_weights()  # adapters reach the generator (vllm: new version, checked by the guard)
             update_s = time.perf_counter() - u0
             step_s = time.perf_counter() - start
 
             metrics = _metrics(rollout, zero_std, agent_stats, t.num_turns)
             metrics.update(env.metrics())
+            metrics.update(backend_metrics)
             if (cfg.eval.every and step % cfg.eval.every == 0) or (cfg.eval.at_end and step == t.steps):
                 metrics.update(run_eval())
             metrics.update(feedback.metrics())
@@ -133,13 +136,14 @@ def train(cfg: TrainConfig) -> Path:
     finally:
         bar.close()
         writer.close()
+        backend.close()
     print(f"magrpo: done; adapters in {run_dir / 'adapters'}", file=sys.stderr)
     return run_dir
 
 
 def _samples_of(rollout: Rollout, agent: int) -> list[TrainSample]:
     return [
-        TrainSample(c.prompt_ids, c.token_ids, float(node.advantages[agent, k]))
+        TrainSample(c.prompt_ids, c.token_ids, float(node.advantages[agent, k]), c.logprobs)
         for node in rollout.nodes
         for k, c in enumerate(node.completions[agent])
     ]
