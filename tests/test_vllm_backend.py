@@ -18,6 +18,7 @@ from magrpo.generation import GenerationRequest, SamplingParams, make_backend  #
 from magrpo.hf_backend import HFBackend  # noqa: E402
 from magrpo.models import load_agents  # noqa: E402
 from magrpo.rollout import TreeSettings, expand_trees  # noqa: E402
+from magrpo.tiny import TinySpec, tiny_model_path  # noqa: E402
 from magrpo.update import AgentUpdater, TrainSample, forward_logprobs, pack  # noqa: E402
 from magrpo.vllm_backend import SyncError  # noqa: E402
 
@@ -130,3 +131,19 @@ def test_a_skipped_sync_makes_the_guard_fail(setup):
         backend.check_probe()  # the engine still serves the previous version
     backend.sync_weights()
     backend.generate([GenerationRequest("x", 0, 1)], SamplingParams(max_new_tokens=2))
+
+
+def test_agents_with_their_own_base_model_get_one_engine_each(make_cfg, tmp_path):
+    paths = [tiny_model_path(TinySpec(seed=s), cache_dir=tmp_path) for s in (0, 1)]
+    cfg = make_cfg("backend=vllm", f"agents=[{{model: {paths[0]}}},{{model: {paths[1]}}}]")
+    agents = load_agents(cfg, 2)
+    backend = make_backend(cfg, agents)
+    try:
+        assert len(backend.engines) == 2
+        requests = [GenerationRequest(p, a, 1) for p in PROMPTS for a in (0, 1)]
+        greedy = SamplingParams(max_new_tokens=12, greedy=True)
+        hf = HFBackend(agents).generate(requests, greedy)
+        assert [c[0].token_ids for c in backend.generate(requests, greedy)] == [c[0].token_ids for c in hf]
+        assert backend.generate_calls == 2  # one per base model
+    finally:
+        backend.close()
