@@ -84,7 +84,7 @@ def train(cfg: TrainConfig) -> Path:
 
     try:
         if cfg.eval.at_start:
-            writer.log_metrics(0, {**run_eval(), **feedback.metrics()})
+            writer.log_metrics(0, {**run_eval(), **feedback.metrics(), **backend.metrics()})
         for step in range(1, t.steps + 1):
             start = time.perf_counter()
             tokens_before = backend.generated_tokens
