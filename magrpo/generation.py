@@ -1,4 +1,4 @@
-"""The narrow interface every generation backend implements (HF now, vLLM next).
+"""The narrow interface every generation backend implements (hf, vllm), and the factory that picks one.
 
 A request is one agent's prompt at one node; the backend returns `n` sampled completions for it,
 with their token ids (and sampling log-probs when asked). Backends batch all requests of a call
@@ -7,9 +7,14 @@ together, whatever the agents, nodes and trees they come from.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
+from .registry import Registry
 from .tree import Completion
+
+if TYPE_CHECKING:
+    from .config import TrainConfig
+    from .models import Agent
 
 
 @dataclass(frozen=True)
@@ -31,6 +36,7 @@ class SamplingParams:
 
 class GenerationBackend(Protocol):
     generate_calls: int  # model-level generate calls so far (batching is tested against it)
+    generated_tokens: int  # completion tokens returned so far (tokens/s)
 
     def generate(self, requests: Sequence[GenerationRequest], params: SamplingParams) -> list[list[Completion]]:
         """One list of `request.n` completions per request, in request order."""
@@ -39,3 +45,37 @@ class GenerationBackend(Protocol):
     def sync_weights(self) -> None:
         """Make the latest adapter weights visible to generation (after each optimizer step)."""
         ...
+
+    def sleep(self) -> None:
+        """Free generation memory for the update (woken up by the next sync_weights)."""
+        ...
+
+    def metrics(self) -> dict[str, float]:
+        """The backend's own numbers since the last call (e.g. perf/prefix_cache_hit_rate)."""
+        ...
+
+    def close(self) -> None:
+        """Release engines and their processes (end of the run)."""
+        ...
+
+
+# name -> factory(cfg, agents). Factories import their backend module on use: vllm is optional.
+BACKENDS: Registry[Callable[["TrainConfig", "list[Agent]"], GenerationBackend]] = Registry("backend")
+
+
+@BACKENDS.register("hf")
+def _hf(cfg: "TrainConfig", agents: "list[Agent]") -> GenerationBackend:
+    from .hf_backend import HFBackend
+
+    return HFBackend(agents, cfg.generation.max_batch_rows)
+
+
+@BACKENDS.register("vllm")
+def _vllm(cfg: "TrainConfig", agents: "list[Agent]") -> GenerationBackend:
+    from .vllm_backend import VLLMBackend
+
+    return VLLMBackend(agents, cfg)
+
+
+def make_backend(cfg: "TrainConfig", agents: "list[Agent]") -> GenerationBackend:
+    return BACKENDS.get(cfg.backend)(cfg, agents)

@@ -34,6 +34,15 @@ class HFBackend:
     def sync_weights(self) -> None:
         """Generation runs on the trainer's own modules: nothing to copy."""
 
+    def sleep(self) -> None:
+        """Nothing of its own to free: the modules are the trainer's."""
+
+    def metrics(self) -> dict[str, float]:
+        return {}
+
+    def close(self) -> None:
+        """Nothing to shut down."""
+
     @torch.no_grad()
     def generate(self, requests: Sequence[GenerationRequest], params: SamplingParams) -> list[list[Completion]]:
         results: list[list[Completion]] = [[] for _ in requests]

@@ -74,10 +74,12 @@ def policy_loss(
     clip_eps: float,
     ref_logp: torch.Tensor | None = None,
     kl_coef: float = 0.0,
+    is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped surrogate (PPO/GRPO) plus optional k3 KL, aggregated with per-sequence weights.
 
-    logp, old_logp, target_mask, ref_logp: (B, L); advantages, seq_weights: (B,).
+    logp, old_logp, target_mask, ref_logp, is_weights: (B, L); advantages, seq_weights: (B,).
+    is_weights (detached, e.g. truncated p_trainer / p_sampler) scale the policy-gradient term only.
     With old_logp = logp.detach() the ratio is 1 and the gradient is the plain -A * grad log p.
     Returns the scalar loss and detached token sums for logging (clipped tokens, KL).
     """
@@ -87,6 +89,8 @@ def policy_loss(
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * adv
     per_token = -torch.minimum(unclipped, clipped)
+    if is_weights is not None:
+        per_token = per_token * is_weights
     weights = seq_weights[:, None] * mask
     # Tokens whose gradient the clip removes: ratio beyond the trust region in the advantage's direction.
     is_clipped = ((ratio > 1 + clip_eps) & (adv > 0)) | ((ratio < 1 - clip_eps) & (adv < 0))

@@ -48,6 +48,7 @@ class Agent:
     model: torch.nn.Module  # a peft PeftModel, possibly shared with other agents
     tokenizer: object
     use_chat_template: bool
+    model_path: str  # the base model's folder or hub id (a vLLM engine loads it by this)
 
     @property
     def adapter(self) -> str:
@@ -110,7 +111,7 @@ def load_agents(cfg: TrainConfig, num_agents: int) -> list[Agent]:
         (cfg.agents[i].model if i < len(cfg.agents) and cfg.agents[i].model else cfg.model.name)
         for i in range(num_agents)
     ]
-    shared: dict[str, tuple[torch.nn.Module, object]] = {}
+    shared: dict[str, tuple[torch.nn.Module, object, str]] = {}
     agents = []
     for i, name in enumerate(names):
         if name not in shared:
@@ -126,10 +127,10 @@ def load_agents(cfg: TrainConfig, num_agents: int) -> list[Agent]:
                 tok.pad_token = tok.eos_token
             base.to(device)
             model = get_peft_model(base, lora(), adapter_name=adapter_name(i))
-            shared[name] = (model, tok)
+            shared[name] = (model, tok, path)
         else:
             shared[name][0].add_adapter(adapter_name(i), lora())
-        model, tok = shared[name]
+        model, tok, path = shared[name]
         use_template = cfg.model.chat_template == "auto" and bool(getattr(tok, "chat_template", None))
-        agents.append(Agent(index=i, model=model, tokenizer=tok, use_chat_template=use_template))
+        agents.append(Agent(index=i, model=model, tokenizer=tok, use_chat_template=use_template, model_path=path))
     return agents

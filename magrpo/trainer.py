@@ -17,7 +17,7 @@ from .config import TrainConfig, validate
 from .env import Environment, make_env
 from .evaluation import evaluate
 from .feedback import Feedback
-from .generation import SamplingParams
+from .generation import SamplingParams, make_backend
 from .rollout import Rollout, TreeSettings, assign_advantages, expand_trees
 from .run_io import RunWriter, make_run_dir, tree_records
 from .tree import count_leaves
@@ -68,11 +68,10 @@ def train(cfg: TrainConfig, prepared: tuple[Environment, Feedback] | None = None
     env, feedback = prepared or prepare(cfg)
     seed_everything(cfg.trainer.seed)
     t = cfg.trainer
-    from .hf_backend import HFBackend
     from .models import load_agents
 
     agents = load_agents(cfg, env.num_agents)
-    backend = HFBackend(agents, cfg.generation.max_batch_rows)
+    backend = make_backend(cfg, agents)
     updaters = [AgentUpdater(a, t.lr, t.weight_decay, t.warmup_steps) for a in agents]
     run_dir = make_run_dir(cfg.logging.run_dir, cfg.env["name"])
     sampler = ProblemSampler(env.problems("train"), t.seed)
@@ -92,7 +91,8 @@ def train(cfg: TrainConfig, prepared: tuple[Environment, Feedback] | None = None
     bad_in_row = 0
     micro = [t.micro_batch_size]  # halved for the rest of the run after an out-of-memory
     g = cfg.generation
-    sampling = SamplingParams(g.max_new_tokens, g.temperature, g.top_p, g.top_k)
+    # Sampling log-probs feed the train/inference mismatch metrics and truncated importance sampling.
+    sampling = SamplingParams(g.max_new_tokens, g.temperature, g.top_p, g.top_k, logprobs=True)
     print(f"magrpo: {env.num_agents} agent(s), K={t.num_generations}, T={t.num_turns}, {t.joint_mode}; "
           f"run dir {run_dir}", file=sys.stderr)
     bar = _progress(t.steps, cfg.logging.progress, initial=first_step - 1)
@@ -114,27 +114,30 @@ def train(cfg: TrainConfig, prepared: tuple[Environment, Feedback] | None = None
 
     try:
         if cfg.eval.at_start and first_step == 1:
-            writer.log_metrics(0, {**run_eval(), **feedback.metrics()})
+            writer.log_metrics(0, {**run_eval(), **feedback.metrics(), **backend.metrics()})
         for step in range(first_step, t.steps + 1):
             start = time.perf_counter()
             tokens_before = backend.generated_tokens
             problems = sampler.next(t.batch_size)
             rollout = oom_retry(lambda: expand_trees(problems, env, backend, feedback, tree, sampling),
-                                backend.halve_batch, "generation.max_batch_rows")
+                                getattr(backend, "halve_batch", None),
+                                "generation.max_batch_rows" if cfg.backend == "hf" else "vllm.gpu_memory_utilization")
             new_tokens = backend.generated_tokens - tokens_before  # before evaluation adds its own tokens
             zero_std = assign_advantages(rollout.nodes, t.discount, t.cross_credit, t.baseline, t.advantage_scale)
             env_step += sum(len(n.joint) for n in rollout.nodes)
 
             u0 = time.perf_counter()
+            backend_metrics = backend.metrics()  # this rollout's numbers (e.g. prefix-cache hits), before eval
+            backend.sleep()
             agent_stats = [
                 oom_retry(lambda: up.step(_samples_of(rollout, a.index), loss_agg=t.loss_agg,
                                           max_new_tokens=g.max_new_tokens, micro_batch_size=micro[0],
                                           ppo_epochs=t.ppo_epochs, clip_eps=t.clip_eps, kl_coef=t.kl_coef,
-                                          max_grad_norm=t.max_grad_norm),
+                                          max_grad_norm=t.max_grad_norm, tis_cap=t.tis_cap),
                           lambda: _halve(micro), "trainer.micro_batch_size")
                 for a, up in zip(agents, updaters)
             ]
-            backend.sync_weights()
+            backend.sync_weights()  # adapters reach the generator (vllm: new version, checked by the guard)
             update_s = time.perf_counter() - u0
             bad = [a for a, stats in enumerate(agent_stats) if stats["skipped_updates"]]
             bad_in_row = bad_in_row + 1 if bad else 0
@@ -147,6 +150,7 @@ def train(cfg: TrainConfig, prepared: tuple[Environment, Feedback] | None = None
             metrics = _metrics(rollout, zero_std, agent_stats, t.num_turns)
             metrics["train/reward_errors"] = rollout.reward_errors
             metrics.update(env.metrics())
+            metrics.update(backend_metrics)
             if (cfg.eval.every and step % cfg.eval.every == 0) or (cfg.eval.at_end and step == t.steps):
                 metrics.update(run_eval())
             metrics.update(feedback.metrics())
@@ -180,13 +184,14 @@ def train(cfg: TrainConfig, prepared: tuple[Environment, Feedback] | None = None
         stop.restore()
         bar.close()
         writer.close()
+        backend.close()
     print(f"magrpo: done; adapters in {run_dir / 'adapters'}", file=sys.stderr)
     return run_dir
 
 
 def _samples_of(rollout: Rollout, agent: int) -> list[TrainSample]:
     return [
-        TrainSample(c.prompt_ids, c.token_ids, float(node.advantages[agent, k]))
+        TrainSample(c.prompt_ids, c.token_ids, float(node.advantages[agent, k]), c.logprobs)
         for node in rollout.nodes
         for k, c in enumerate(node.completions[agent])
     ]
@@ -234,12 +239,15 @@ def is_out_of_memory(error: BaseException) -> bool:
 
 def oom_retry(run, shrink, setting: str):
     """run(); on out-of-memory, shrink() (halves `setting`, returns the new size) and run once more.
-    A second out-of-memory stops training with a line naming the setting; the last checkpoint stays."""
+    A second out-of-memory (or a first one with nothing to shrink) stops training with a line naming
+    the setting; the last checkpoint stays."""
     try:
         return run()
     except RuntimeError as e:
         if not is_out_of_memory(e):
             raise
+        if shrink is None:
+            raise TrainingError(f"out of memory; lower {setting}; the last checkpoint is intact") from None
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     size = shrink()

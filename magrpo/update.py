@@ -15,6 +15,17 @@ class TrainSample:
     prompt_ids: list[int]
     completion_ids: list[int]
     advantage: float
+    sampler_logprobs: list[float] | None = None  # the generation backend's log-probs of completion_ids
+
+
+def sampler_logprobs(samples: list[TrainSample], like: torch.Tensor) -> torch.Tensor | None:
+    """(R, C) the backend's log-probs aligned with PackedBatch.targets (0 at padding); None when any is missing."""
+    if any(s.sampler_logprobs is None for s in samples):
+        return None
+    out = torch.zeros_like(like)
+    for row, s in enumerate(samples):
+        out[row, : len(s.sampler_logprobs)] = torch.tensor(s.sampler_logprobs, dtype=out.dtype)
+    return out
 
 
 @dataclass
@@ -101,6 +112,25 @@ def micro_batches(samples: list[TrainSample], rows: list[int], size: int) -> lis
     return batches + ([current] if current else [])
 
 
+def importance_weights(logp: torch.Tensor, samples: list[TrainSample], mask: torch.Tensor, tis_cap: float,
+                        totals: dict[str, float]) -> torch.Tensor | None:
+    """Per-token p_trainer / p_sampler (R, C), capped at tis_cap (truncated importance sampling,
+    Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL training");
+    None when tis_cap is 0. Accumulates the mismatch statistics into `totals` either way."""
+    behaviour = sampler_logprobs(samples, logp)
+    if behaviour is None:
+        return None
+    maskf = mask.float()
+    weight = torch.exp(logp - behaviour)
+    totals["tokens"] += float(maskf.sum())
+    totals["abs_sum"] += float(((logp - behaviour).abs() * maskf).sum())
+    totals["weight_sum"] += float((weight * maskf).sum())
+    if tis_cap <= 0:
+        return None
+    totals["capped"] += float(((weight > tis_cap).float() * maskf).sum())
+    return weight.clamp(max=tis_cap)
+
+
 class AgentUpdater:
     """Owns one agent's optimizer and learning-rate schedule."""
 
@@ -124,6 +154,7 @@ class AgentUpdater:
         clip_eps: float,
         kl_coef: float,
         max_grad_norm: float,
+        tis_cap: float = 0.0,
     ) -> dict[str, float]:
         model, agent = self.agent.model, self.agent
         device = next(model.parameters()).device
@@ -136,7 +167,9 @@ class AgentUpdater:
         model.train()
         old_logps: list[torch.Tensor] = []
         ref_logps: list[torch.Tensor | None] = []
+        is_weights: list[torch.Tensor | None] = []
         totals = {"loss": 0.0, "clipped_tokens": 0.0, "kl_sum": 0.0, "entropy_sum": 0.0}
+        mismatch = {"tokens": 0.0, "abs_sum": 0.0, "weight_sum": 0.0, "capped": 0.0}
         grad_norm = 0.0
         skipped = 0
         for epoch in range(ppo_epochs):
@@ -150,8 +183,10 @@ class AgentUpdater:
                     totals["entropy_sum"] += float((entropy[0] * batch.target_mask).sum())
                     old_logps.append(logp.detach())
                     ref_logps.append(self._reference_logprobs(batch) if kl_coef > 0 else None)
+                    is_weights.append(importance_weights(logp.detach(), [samples[i] for i in rows], batch.target_mask,
+                                                          tis_cap, mismatch))
                 loss, stats = policy_loss(logp, old_logps[b], adv, batch.target_mask, weights[rows].to(device),
-                                          clip_eps, ref_logps[b], kl_coef)
+                                          clip_eps, ref_logps[b], kl_coef, is_weights[b])
                 loss.backward()
                 if epoch == ppo_epochs - 1:
                     for key in ("loss", "clipped_tokens", "kl_sum"):
@@ -179,6 +214,11 @@ class AgentUpdater:
         }
         if keep:  # entropy of the policy on the tokens it trained on (none trained: no number)
             out["entropy"] = totals["entropy_sum"] / tokens
+        if mismatch["tokens"]:  # the backend returned log-probs: how far its sampler is from the trainer
+            out["logp_mismatch"] = mismatch["abs_sum"] / mismatch["tokens"]
+            out["is_weight_mean"] = mismatch["weight_sum"] / mismatch["tokens"]
+            if tis_cap > 0:
+                out["tis_clip_frac"] = mismatch["capped"] / mismatch["tokens"]
         return out
 
     @torch.no_grad()

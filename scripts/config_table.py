@@ -13,7 +13,7 @@ PREFIX = {
     "TrainConfig": "", "ModelConfig": "model.", "AgentConfig": "agents[i].", "LoraConfig": "lora.",
     "GenerationConfig": "generation.", "TrainerConfig": "trainer.", "LoggingConfig": "logging.",
     "WandbConfig": "logging.wandb.", "ExternalConfig": "external.", "ExpertConfig": "external.expert.",
-    "EvalConfig": "eval.", "CheckpointConfig": "checkpoint.", "RewardConfig": "reward.",
+    "EvalConfig": "eval.", "CheckpointConfig": "checkpoint.", "RewardConfig": "reward.", "VLLMConfig": "vllm.",
 }
 
 

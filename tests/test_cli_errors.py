@@ -33,6 +33,10 @@ CASES = {
     "checkpoint.keep=0": ("checkpoint.keep", [">= 1"]),
     "reward.on_error=ignore": ("reward.on_error", ["'ignore'", "raise, zero"]),
     "external.max_concurrency=0": ("external.max_concurrency", [">= 1"]),
+    "backend=sglang": ("backend", ["'sglang'", "hf, vllm"]),
+    "backend=vllm": ("backend", ["vllm is not installed", "magrpo[vllm]", "scripts/setup_vllm.sh"]),
+    "backend=vllm generation.temperature=2.5": ("generation.temperature", ["up to 2"]),
+    "vllm.kv_cache_gb=0": ("vllm.kv_cache_gb", [">= 1"]),
     "external.expert.backend=claude": ("external.expert.backend", ["'claude'", "auto, reference, openai, hf"]),
     "external.mode=expert_edits external.expert.backend=openai": ("external.expert.base_url", ["required"]),
     "external.mode=expert_edits external.expert.base_url=http://127.0.0.1:9/v1":

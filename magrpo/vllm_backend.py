@@ -1,0 +1,239 @@
+"""vLLM backend: one engine per distinct base model, one LoRA per agent, adapter-only weight sync.
+
+Each engine lives in the trainer's process (colocated) with prefix caching on, so the K samples of
+a request and the children of a node (whose prompts start with the parent's) reuse KV blocks. All
+requests of a turn for one base model go into one `LLM.generate` call, each carrying its agent's
+`LoRARequest`. Prompts are sent as token ids made by `Agent.encode_prompts`, so `prompt_ids` are
+exactly what the trainer scores.
+
+Weight sync: after every optimizer step the adapters are saved (not merged into the base) and
+registered under a new `lora_int_id`; the previous version is evicted. Two guards stop the run with
+`SyncError`: `sync_weights` checks that the engine's log-probs of a fixed probe sequence match the
+trainer's under the new adapter, and every `generate` checks that the trainer's adapters have not
+changed since the last sync (a skipped sync would otherwise sample from stale weights silently).
+vllm is imported here only, so magrpo itself never needs it.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import typing
+from collections import defaultdict
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from .config import ConfigError, TrainConfig
+from .generation import GenerationRequest, SamplingParams
+from .loss import token_logprobs
+from .models import Agent
+from .tree import Completion
+
+# A fixed sequence whose log-probs the trainer and the engine must agree on after every sync.
+PROBE_TEXT = "def probe(values):\n    total = 0\n    for v in sorted(values):\n        total += v * 2\n    return total\n"
+
+
+class SyncError(RuntimeError):
+    """The engine would generate (or generated) with adapter weights other than the trainer's."""
+
+
+def lora_rank_for(r: int, allowed: Sequence[int]) -> int:
+    """vLLM only accepts a few max_lora_rank values: the smallest one that fits r."""
+    fitting = [a for a in sorted(allowed) if a >= r]
+    if not fitting:
+        raise ConfigError("lora.r", f"vLLM supports LoRA ranks up to {max(allowed)}, got {r}")
+    return fitting[0]
+
+
+def adapter_fingerprint(agent: Agent) -> torch.Tensor:
+    """Cheap exact summary of an agent's adapter: any optimizer step changes it."""
+    params = agent.trainable_parameters()
+    return torch.stack([torch.stack([p.detach().double().sum(), p.detach().double().abs().sum()]) for p in params]).cpu()
+
+
+class VLLMBackend:
+    def __init__(self, agents: Sequence[Agent], cfg: TrainConfig):
+        import vllm
+        from vllm.config.lora import MaxLoRARanks
+
+        self.agents = list(agents)
+        self.cfg = cfg.vllm
+        self.generate_calls = 0
+        self.generated_tokens = 0
+        self.on_gpu = torch.cuda.is_available()
+        if self.cfg.sleep_mode and not self.on_gpu:
+            raise ConfigError("vllm.sleep_mode", "needs a CUDA GPU (vLLM's sleep mode frees GPU memory)")
+        # The CPU build sizes its KV cache from this variable (read when the engine starts).
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.cfg.kv_cache_gb))
+        self.by_path: dict[str, list[Agent]] = defaultdict(list)
+        for agent in self.agents:
+            self.by_path[agent.model_path].append(agent)
+        dtype = cfg.model.dtype if self.cfg.dtype == "auto" else self.cfg.dtype
+        rank = lora_rank_for(cfg.lora.r, typing.get_args(MaxLoRARanks))
+        self.engines = {
+            path: vllm.LLM(
+                model=path, dtype=dtype, seed=cfg.trainer.seed, enforce_eager=self.cfg.enforce_eager,
+                enable_lora=True, max_loras=len(group), max_lora_rank=rank, enable_prefix_caching=True,
+                gpu_memory_utilization=self.cfg.gpu_memory_utilization, max_model_len=self.cfg.max_model_len or None,
+                block_size=self.cfg.block_size or None,
+                enable_sleep_mode=self.cfg.sleep_mode, trust_remote_code=cfg.model.trust_remote_code,
+                # Completion.logprobs means "under the sampling distribution" (temperature, top-k/p), as in HF.
+                logprobs_mode="processed_logprobs", disable_log_stats=False,
+            )
+            for path, group in self.by_path.items()
+        }
+        self.root = Path(tempfile.mkdtemp(prefix="magrpo-lora-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+        self.version = 0
+        self.lora: dict[int, object] = {}  # agent index -> its current LoRARequest
+        self.fingerprints: dict[int, torch.Tensor] = {}
+        self.sleeping = False
+        self._cache_seen = (0.0, 0.0)  # prefix-cache (queries, hits) already reported
+        self.sync_weights()
+
+    # ---- generation -------------------------------------------------------------------------
+    def generate(self, requests: Sequence[GenerationRequest], params: SamplingParams) -> list[list[Completion]]:
+        from vllm.inputs import TokensPrompt
+
+        self.check_fresh()
+        results: list[list[Completion]] = [[] for _ in requests]
+        by_path: dict[str, list[int]] = defaultdict(list)
+        for r, req in enumerate(requests):
+            by_path[self.agents[req.agent].model_path].append(r)
+        for path, ids in by_path.items():
+            prompt_ids = self._encode(requests, ids)
+            eos = sorted(self.agents[requests[ids[0]].agent].eos_ids())
+            outputs = self.engines[path].generate(
+                [TokensPrompt(prompt_token_ids=prompt_ids[r]) for r in ids],
+                [self._sampling(params, requests[r].n, eos) for r in ids],
+                lora_request=[self.lora[requests[r].agent] for r in ids],
+                use_tqdm=False,
+            )
+            self.generate_calls += 1
+            for r, out in zip(ids, outputs):
+                agent = self.agents[requests[r].agent]
+                for o in out.outputs:
+                    tokens = list(o.token_ids)
+                    self.generated_tokens += len(tokens)
+                    results[r].append(Completion(
+                        token_ids=tokens,
+                        text=agent.tokenizer.decode(tokens, skip_special_tokens=True),
+                        prompt_ids=prompt_ids[r],
+                        finished=bool(tokens) and tokens[-1] in eos,
+                        logprobs=[step[t].logprob for step, t in zip(o.logprobs, tokens)] if params.logprobs else None,
+                    ))
+        return results
+
+    def _encode(self, requests: Sequence[GenerationRequest], ids: list[int]) -> dict[int, list[int]]:
+        by_agent: dict[int, list[int]] = defaultdict(list)
+        for r in ids:
+            by_agent[requests[r].agent].append(r)
+        out = {}
+        for agent, rs in by_agent.items():
+            for r, tokens in zip(rs, self.agents[agent].encode_prompts([requests[r].prompt for r in rs])):
+                out[r] = tokens
+        return out
+
+    @staticmethod
+    def _sampling(params: SamplingParams, n: int, eos: list[int]):
+        import vllm
+
+        shape = dict(temperature=0.0) if params.greedy else dict(
+            temperature=params.temperature, top_p=params.top_p, top_k=params.top_k)
+        # detokenize=False: we decode with the agent's tokenizer, exactly as the HF backend does.
+        return vllm.SamplingParams(n=n, max_tokens=params.max_new_tokens, stop_token_ids=eos, detokenize=False,
+                                   logprobs=0 if params.logprobs else None, **shape)
+
+    # ---- weight sync and its guards ---------------------------------------------------------
+    def sync_weights(self) -> None:
+        """Save every adapter as a new version, register it, evict the old one, check the probe."""
+        from vllm.lora.request import LoRARequest
+
+        self.wake_up()
+        self.version += 1
+        folder = self.root / f"v{self.version}"
+        old = dict(self.lora)
+        for agent in self.agents:
+            path = agent.save(folder)
+            # lora_int_id must be new for every version: vLLM caches adapters by id.
+            self.lora[agent.index] = LoRARequest(f"{agent.adapter}_v{self.version}",
+                                                 self.version * len(self.agents) + agent.index + 1, str(path))
+            self.fingerprints[agent.index] = adapter_fingerprint(agent)
+        for path, group in self.by_path.items():
+            engine = self.engines[path].llm_engine
+            for agent in group:
+                if agent.index in old:
+                    engine.remove_lora(old[agent.index].lora_int_id)
+                engine.add_lora(self.lora[agent.index])
+        shutil.rmtree(self.root / f"v{self.version - 1}", ignore_errors=True)
+        self.check_probe()
+
+    def check_fresh(self) -> None:
+        """Every adapter the engine serves is the trainer's current one (sync_weights ran after the last step)."""
+        for agent in self.agents:
+            if not torch.equal(adapter_fingerprint(agent), self.fingerprints[agent.index]):
+                raise SyncError(f"agent {agent.index}'s adapter changed since the last sync_weights (the engine "
+                                f"serves version {self.version}): generating now would sample from stale weights")
+
+    def check_probe(self) -> dict[int, float]:
+        """Mean |log p_engine - log p_trainer| over the probe sequence, per agent; raises above guard_tol."""
+        from vllm import SamplingParams as VSamplingParams
+        from vllm.inputs import TokensPrompt
+
+        gaps = {}
+        for path, group in self.by_path.items():
+            ids = group[0].tokenizer(PROBE_TEXT, add_special_tokens=False)["input_ids"]
+            outs = self.engines[path].generate(
+                [TokensPrompt(prompt_token_ids=ids)] * len(group),
+                VSamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False),
+                lora_request=[self.lora[a.index] for a in group], use_tqdm=False)
+            engine = torch.tensor([[out.prompt_logprobs[t][ids[t]].logprob for t in range(1, len(ids))] for out in outs])
+            trainer = self._trainer_logprobs(group, ids)
+            for agent, gap in zip(group, (engine - trainer).abs().mean(-1).tolist()):
+                gaps[agent.index] = gap
+                if gap > self.cfg.guard_tol:
+                    raise SyncError(f"after sync {self.version} the engine's log-probs for agent {agent.index} differ "
+                                    f"from the trainer's by {gap:.4f} per token (vllm.guard_tol={self.cfg.guard_tol}): "
+                                    f"the engine does not serve the adapter the trainer just produced")
+        return gaps
+
+    @torch.no_grad()
+    def _trainer_logprobs(self, group: list[Agent], ids: list[int]) -> torch.Tensor:
+        model = group[0].model
+        device = next(model.parameters()).device
+        batch = torch.tensor([ids] * len(group), device=device)
+        was_training = model.training
+        model.eval()
+        logits = model(input_ids=batch, adapter_names=[a.adapter for a in group]).logits
+        model.train(was_training)
+        return token_logprobs(logits, batch)[:, 1:].cpu()
+
+    # ---- memory and metrics -----------------------------------------------------------------
+    def sleep(self) -> None:
+        """GPU with vllm.sleep_mode: offload the weights and free the KV cache during the update."""
+        if self.cfg.sleep_mode and not self.sleeping:
+            for engine in self.engines.values():
+                engine.sleep(level=1)
+            self.sleeping = True
+
+    def wake_up(self) -> None:
+        if self.sleeping:
+            for engine in self.engines.values():
+                engine.wake_up()
+            self.sleeping = False
+
+    def metrics(self) -> dict[str, float]:
+        """Prefix-cache hit rate (tokens) since the last call, over all engines (vLLM's metrics are
+        process-wide, so any engine reports the total)."""
+        values = {m.name: m.value for m in next(iter(self.engines.values())).get_metrics() if hasattr(m, "value")}
+        queries, hits = values.get("vllm:prefix_cache_queries", 0.0), values.get("vllm:prefix_cache_hits", 0.0)
+        dq, dh = queries - self._cache_seen[0], hits - self._cache_seen[1]
+        self._cache_seen = (queries, hits)
+        return {"perf/prefix_cache_hit_rate": dh / dq} if dq else {}
+
+    def close(self) -> None:
+        for engine in self.engines.values():
+            engine.llm_engine.engine_core.shutdown()
+        self.engines.clear()
+        shutil.rmtree(self.root, ignore_errors=True)
