@@ -79,3 +79,16 @@ def _vllm(cfg: "TrainConfig", agents: "list[Agent]") -> GenerationBackend:
 
 def make_backend(cfg: "TrainConfig", agents: "list[Agent]") -> GenerationBackend:
     return BACKENDS.get(cfg.backend)(cfg, agents)
+
+
+def encode_requests(agents: Sequence, requests: Sequence[GenerationRequest], ids: Sequence[int]) -> dict[int, list[int]]:
+    """Prompt token ids of requests[i] for i in ids, as the trainer will see them: one tokenizer call
+    per agent (its chat template applied)."""
+    by_agent: dict[int, list[int]] = {}
+    for r in ids:
+        by_agent.setdefault(requests[r].agent, []).append(r)
+    out = {}
+    for agent, rs in by_agent.items():
+        for r, tokens in zip(rs, agents[agent].encode_prompts([requests[r].prompt for r in rs])):
+            out[r] = tokens
+    return out

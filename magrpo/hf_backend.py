@@ -12,7 +12,7 @@ from typing import Sequence
 
 import torch
 
-from .generation import GenerationRequest, SamplingParams
+from .generation import GenerationRequest, SamplingParams, encode_requests
 from .models import Agent
 from .sampling import sample, sampling_logprobs
 from .tree import Completion
@@ -52,7 +52,7 @@ class HFBackend:
         for request_ids in by_model.values():
             # Rows: each request repeated n times, so one generate call covers every agent and sample.
             rows = [r for r in request_ids for _ in range(requests[r].n)]
-            prompt_ids = self._encode(requests, request_ids)
+            prompt_ids = encode_requests(self.agents, requests, request_ids)
             chunk = self.max_batch_rows or len(rows)
             for start in range(0, len(rows), chunk):
                 part = rows[start : start + chunk]
@@ -60,17 +60,6 @@ class HFBackend:
                 for r, completion in zip(part, self._generate_rows(requests, part, prompt_ids, params)):
                     results[r].append(completion)
         return results
-
-    def _encode(self, requests: Sequence[GenerationRequest], request_ids: list[int]) -> dict[int, list[int]]:
-        """Tokenize each request once per agent (one tokenizer call per agent)."""
-        by_agent: dict[int, list[int]] = defaultdict(list)
-        for r in request_ids:
-            by_agent[requests[r].agent].append(r)
-        out = {}
-        for agent, rs in by_agent.items():
-            for r, ids in zip(rs, self.agents[agent].encode_prompts([requests[r].prompt for r in rs])):
-                out[r] = ids
-        return out
 
     def _generate_rows(self, requests, rows: list[int], prompt_ids: dict[int, list[int]], params: SamplingParams):
         first = self.agents[requests[rows[0]].agent]

@@ -26,7 +26,7 @@ from typing import Sequence
 import torch
 
 from .config import ConfigError, TrainConfig
-from .generation import GenerationRequest, SamplingParams
+from .generation import GenerationRequest, SamplingParams, encode_requests
 from .loss import token_logprobs
 from .models import Agent
 from .tree import Completion
@@ -102,7 +102,7 @@ class VLLMBackend:
         for r, req in enumerate(requests):
             by_path[self.agents[req.agent].model_path].append(r)
         for path, ids in by_path.items():
-            prompt_ids = self._encode(requests, ids)
+            prompt_ids = encode_requests(self.agents, requests, ids)
             eos = sorted(self.agents[requests[ids[0]].agent].eos_ids())
             outputs = self.engines[path].generate(
                 [TokensPrompt(prompt_token_ids=prompt_ids[r]) for r in ids],
@@ -124,16 +124,6 @@ class VLLMBackend:
                         logprobs=[step[t].logprob for step, t in zip(o.logprobs, tokens)] if params.logprobs else None,
                     ))
         return results
-
-    def _encode(self, requests: Sequence[GenerationRequest], ids: list[int]) -> dict[int, list[int]]:
-        by_agent: dict[int, list[int]] = defaultdict(list)
-        for r in ids:
-            by_agent[requests[r].agent].append(r)
-        out = {}
-        for agent, rs in by_agent.items():
-            for r, tokens in zip(rs, self.agents[agent].encode_prompts([requests[r].prompt for r in rs])):
-                out[r] = tokens
-        return out
 
     @staticmethod
     def _sampling(params: SamplingParams, n: int, eos: list[int]):
