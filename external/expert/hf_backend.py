@@ -8,6 +8,7 @@ import time
 from magrpo.config import ExpertConfig
 
 from .cache import ExpertCache
+from .stats import ExpertStats
 
 
 class HFExpert:
@@ -17,7 +18,7 @@ class HFExpert:
         self.cfg, self.cache, self.model = cfg, cache, cfg.model
         self._lock = threading.Lock()
         self._loaded = None
-        self.reset_stats()
+        self.counts = ExpertStats()
 
     def check(self) -> None:
         """Load now, so a bad name fails before training (one line, like model.name)."""
@@ -44,13 +45,12 @@ class HFExpert:
     def complete(self, prompts: list[str]) -> list[str | None]:
         replies: list[str | None] = [self.cache.get(self.name, self.model, p) if self.cache else None for p in prompts]
         todo = [i for i, r in enumerate(replies) if r is None]
-        self._stats["cache_hits"] += len(prompts) - len(todo)
+        self.counts.add(cache_hits=len(prompts) - len(todo))
         if todo:
             start = time.perf_counter()
             with self._lock:  # one generate at a time; the batch is the parallelism
                 texts = self._generate([prompts[i] for i in todo])
-            self._stats["calls"] += len(todo)
-            self._stats["latency_s_total"] += time.perf_counter() - start
+            self.counts.add(calls=len(todo), latency_s_total=time.perf_counter() - start)
             for i, text in zip(todo, texts):
                 replies[i] = text
                 if self.cache:
@@ -73,7 +73,7 @@ class HFExpert:
         return tokenizer.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
 
     def stats(self) -> dict[str, float]:
-        return dict(self._stats)
+        return self.counts.snapshot()
 
     def reset_stats(self) -> None:
-        self._stats = {"calls": 0, "cache_hits": 0, "failures": 0, "retries": 0, "latency_s_total": 0.0}
+        self.counts.reset()

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -17,10 +16,9 @@ from magrpo.config import ExpertConfig
 
 from .cache import ExpertCache
 from .errors import ExpertError
+from .stats import ExpertStats
 
 log = logging.getLogger(__name__)
-
-_STATS = ("calls", "cache_hits", "failures", "retries", "latency_s_total")
 
 
 class OpenAIExpert:
@@ -34,8 +32,7 @@ class OpenAIExpert:
         self.max_concurrency = max_concurrency
         self.cache = cache
         self._openai, self._client = _build_client(cfg)
-        self._lock = threading.Lock()
-        self._stats = dict.fromkeys(_STATS, 0.0)
+        self.counts = ExpertStats()
 
     def check(self) -> None:
         """Start-up check: the endpoint answers and accepts the key; resolves an empty model name."""
@@ -68,30 +65,28 @@ class OpenAIExpert:
         unique = list(dict.fromkeys(prompts))
         with ThreadPoolExecutor(max_workers=self.max_concurrency) as pool:
             replies = dict(zip(unique, pool.map(self._complete_one, unique)))
-        self._count(cache_hits=len(prompts) - len(unique))
+        self.counts.add(cache_hits=len(prompts) - len(unique))
         return [replies[p] for p in prompts]
 
     def stats(self) -> dict[str, float]:
         """calls (prompts sent to the server), cache_hits, failures, retries, latency_s_total
         (wall time of the calls, retries and backoff included; mean = latency_s_total / calls)."""
-        with self._lock:
-            return dict(self._stats)
+        return self.counts.snapshot()
 
     def reset_stats(self) -> None:
-        with self._lock:
-            self._stats = dict.fromkeys(_STATS, 0.0)
+        self.counts.reset()
 
     def _complete_one(self, prompt: str) -> str | None:
         if self.cache is not None:
             hit = self.cache.get(self.name, self.model, prompt)
             if hit is not None:
-                self._count(cache_hits=1)
+                self.counts.add(cache_hits=1)
                 return hit
         start = time.monotonic()
         reply, error = self._ask(prompt)
-        self._count(calls=1, latency_s_total=time.monotonic() - start)
+        self.counts.add(calls=1, latency_s_total=time.monotonic() - start)
         if reply is None:
-            self._count(failures=1)
+            self.counts.add(failures=1)
             log.warning("expert request to %s failed: %s", self.cfg.base_url, error)
             return None
         if self.cache is not None:
@@ -119,18 +114,13 @@ class OpenAIExpert:
                 return (content, "") if content else (None, "no reply text in the response")
             time.sleep(self.cfg.backoff_s * 2**attempt)
             attempt += 1
-            self._count(retries=1)
+            self.counts.add(retries=1)
 
     def _retryable(self, e: Exception) -> bool:
         """Timeouts, connection errors, 429 and 5xx may pass; other 4xx (bad key, bad request) will not."""
         if isinstance(e, self._openai.APIConnectionError):  # APITimeoutError is one too
             return True
         return isinstance(e, self._openai.APIStatusError) and (e.status_code == 429 or e.status_code >= 500)
-
-    def _count(self, **amounts: float) -> None:
-        with self._lock:
-            for key, amount in amounts.items():
-                self._stats[key] += amount
 
 
 def _build_client(cfg: ExpertConfig) -> tuple[Any, Any]:

@@ -13,6 +13,8 @@ import ast
 import time
 from typing import Any, Mapping
 
+from .stats import ExpertStats
+
 
 def canonical_function(prompt: str, canonical_solution: str, entry_point: str, name: str) -> str | None:
     """The dataset's solution of `entry_point` (docstring dropped), renamed `name`; None if it does not parse."""
@@ -36,7 +38,7 @@ class ReferenceExpert:
     model = "canonical-solution"
 
     def __init__(self):
-        self.reset_stats()
+        self.counts = ExpertStats()
 
     def check(self) -> None:
         """Nothing to reach: the dataset is the expert."""
@@ -44,9 +46,8 @@ class ReferenceExpert:
     def propose(self, prompts: list[str], contexts: list[Mapping[str, Any]]) -> list[dict[str, str] | None]:
         start = time.perf_counter()
         out = [self._edits(prompt, context) for prompt, context in zip(prompts, contexts)]
-        self._stats["calls"] += len(out)
-        self._stats["failures"] += sum(edits is None for edits in out)
-        self._stats["latency_s_total"] += time.perf_counter() - start
+        self.counts.add(calls=len(out), failures=sum(edits is None for edits in out),
+                        latency_s_total=time.perf_counter() - start)
         return out
 
     def _edits(self, problem: str, context: Mapping[str, Any]) -> dict[str, str] | None:
@@ -64,7 +65,7 @@ class ReferenceExpert:
         return edits
 
     def stats(self) -> dict[str, float]:
-        return dict(self._stats)
+        return self.counts.snapshot()
 
     def reset_stats(self) -> None:
-        self._stats = {"calls": 0, "cache_hits": 0, "failures": 0, "retries": 0, "latency_s_total": 0.0}
+        self.counts.reset()

@@ -1,0 +1,28 @@
+"""The counters every expert reports (logged as expert/* per step), safe to bump from a thread pool."""
+from __future__ import annotations
+
+import threading
+
+KEYS = ("calls", "cache_hits", "failures", "retries", "latency_s_total")
+
+
+class ExpertStats:
+    """calls (requests that reached the expert), cache_hits, failures, retries, latency_s_total
+    (wall time of the calls; mean = latency_s_total / calls)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.reset()
+
+    def add(self, **amounts: float) -> None:
+        with self._lock:
+            for key, amount in amounts.items():
+                self._counts[key] += amount
+
+    def snapshot(self) -> dict[str, float]:
+        with self._lock:
+            return dict(self._counts)
+
+    def reset(self) -> None:
+        with self._lock:
+            self._counts = dict.fromkeys(KEYS, 0.0)
