@@ -161,12 +161,14 @@ def train(cfg: TrainConfig, prepared: tuple[Environment, Feedback] | None = None
                 "perf/peak_mem_gb": peak_memory_gb(backend_device(agents)),
             })
             writer.log_metrics(step, metrics)
-            records = tree_records(step, rollout.problems, rollout.nodes)
-            if cfg.logging.rollouts:
-                writer.log_trees(records)
             every = cfg.logging.samples_every
-            if every and (step % every == 0 or step == t.steps):
-                writer.log_samples(step, records)
+            samples = every and (step % every == 0 or step == t.steps)
+            if cfg.logging.rollouts or samples:
+                records = tree_records(step, rollout.problems, rollout.nodes)
+                if cfg.logging.rollouts:
+                    writer.log_trees(records)
+                if samples:
+                    writer.log_samples(step, records)
             every = cfg.checkpoint.every
             if (every and step % every == 0) or step == t.steps or stop.signal:
                 save_checkpoint(step)
