@@ -3,10 +3,11 @@
 A checkpoint is RUN_DIR/checkpoints/step_NNNNNN/ with
     agent_{i}/            the adapter in peft format (usable on its own)
     agent_{i}/train.pt    the exact trainable tensors, optimizer and scheduler state
-    trainer.pt            step counters, data order, RNG states, env counters
+    trainer.pt            step counters, data order, and per process: RNG states and env counters
     COMPLETE              written last
 It is built in a temporary folder and renamed into place, so a crash mid-write leaves no folder
 that `resume=auto` would pick; a folder whose files do not load is skipped with a warning.
+With data parallelism only rank 0 reads and writes checkpoints; the others get their part from it.
 """
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ def save(run_dir: Path, step: int, agents: Sequence[Any], updaters: Sequence[Any
             "optimizer": updater.optimizer.state_dict(),
             "scheduler": updater.scheduler.state_dict(),
         }, folder / "train.pt")
-    torch.save({**trainer_state, "rng": rng_state()}, tmp / "trainer.pt")
+    torch.save(trainer_state, tmp / "trainer.pt")
     (tmp / "COMPLETE").write_text(json.dumps({"step": step}))
     shutil.rmtree(final, ignore_errors=True)  # a checkpoint of the same step from an earlier attempt
     os.replace(tmp, final)
@@ -77,36 +78,40 @@ def candidates(run_dir: Path) -> list[Path]:
         if folder.is_dir() else []
 
 
-def load(path: Path, agents: Sequence[Any], updaters: Sequence[Any]) -> dict[str, Any]:
-    """Restore agents and optimizers in place; returns the trainer state (RNG already restored)."""
-    trainer_state = torch.load(path / "trainer.pt", weights_only=False)
-    parts = [torch.load(path / agent.adapter / "train.pt", weights_only=False) for agent in agents]
-    for part, updater in zip(parts, updaters):  # read everything first: a broken file changes nothing
+def read(path: Path, agents: Sequence[Any], updaters: Sequence[Any]) -> dict[str, Any]:
+    """A checkpoint's contents (tensors on the CPU), checked against the agents; changes nothing."""
+    trainer_state = torch.load(path / "trainer.pt", weights_only=False, map_location="cpu")
+    parts = [torch.load(path / agent.adapter / "train.pt", weights_only=False, map_location="cpu") for agent in agents]
+    for part, updater in zip(parts, updaters):
         if len(part["params"]) != len(updater.params):
             raise ValueError(f"{path}: {len(part['params'])} adapter tensors, the model has {len(updater.params)}")
+    return {"trainer": trainer_state, "agents": parts, "path": str(path)}
+
+
+def apply(contents: dict[str, Any], updaters: Sequence[Any]) -> dict[str, Any]:
+    """Restore adapters and optimizers in place from `read`'s contents; returns the trainer state."""
     with torch.no_grad():
-        for part, updater in zip(parts, updaters):
+        for part, updater in zip(contents["agents"], updaters):
             for target, value in zip(updater.params, part["params"]):
                 target.copy_(value)
             updater.optimizer.load_state_dict(part["optimizer"])
             updater.scheduler.load_state_dict(part["scheduler"])
-    set_rng_state(trainer_state["rng"])
-    return trainer_state
+    return contents["trainer"]
 
 
-def resume(setting: str, run_dir: Path, agents: Sequence[Any], updaters: Sequence[Any]) -> dict[str, Any] | None:
-    """`auto`: the newest checkpoint of run_dir that loads (none: start fresh); else a checkpoint path."""
+def find(setting: str, run_dir: Path, agents: Sequence[Any], updaters: Sequence[Any]) -> dict[str, Any] | None:
+    """`auto`: the newest checkpoint of run_dir that loads (None: start fresh); else a checkpoint path."""
     if setting != "auto":
-        return load(Path(setting), agents, updaters)
+        return read(Path(setting), agents, updaters)
     for path in candidates(run_dir):
         try:
-            state = load(path, agents, updaters)
+            contents = read(path, agents, updaters)
         except Exception as e:  # truncated or corrupt: fall back to the one before
             print(f"magrpo: skipping checkpoint {path} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})",
                   file=sys.stderr)
             continue
         print(f"magrpo: resuming from {path}", file=sys.stderr)
-        return state
+        return contents
     return None
 
 

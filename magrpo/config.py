@@ -108,9 +108,11 @@ class TrainerConfig:
     tis_cap: float = 0.0
     """Truncated importance sampling: weight each token's loss by min(p_trainer / p_sampler, tis_cap), correcting for the generation backend's own numerics (and sampling temperature/top-p); 0 = off."""
     seed: int = 0
-    """Seeds python, numpy, torch and the data order."""
+    """Seeds python, numpy, torch, the data order and the sampling streams (one per tree, node, agent and sample: the same under any batching or number of processes)."""
     max_bad_steps: int = 3
     """Updates with a NaN/inf loss or gradient are skipped (and counted); stop after this many steps in a row."""
+    dist_timeout_min: float = 60.0
+    """torchrun only: minutes a process waits for the others at a collective (e.g. the slowest rank's rollout) before the run fails."""
 
 
 @dataclass
@@ -284,7 +286,16 @@ def validate(cfg: TrainConfig) -> None:
     _choice("reward.on_error", cfg.reward.on_error, ["raise", "zero"])
     _at_least("checkpoint.every", cfg.checkpoint.every, 0)
     _at_least("checkpoint.keep", cfg.checkpoint.keep, 1)
-    if cfg.resume is not None and cfg.resume != "auto" and not os.path.isfile(os.path.join(cfg.resume, "COMPLETE")):
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))  # set by torchrun
+    if world_size > 1:
+        if t.batch_size < world_size:
+            raise ConfigError("trainer.batch_size", f"must be >= the number of processes ({world_size}): each needs a tree")
+        if cfg.backend != "hf":
+            raise ConfigError("backend", f"{cfg.backend!r} runs in one process; with torchrun use backend=hf")
+    if t.dist_timeout_min <= 0:
+        raise ConfigError("trainer.dist_timeout_min", f"must be > 0, got {t.dist_timeout_min}")
+    main_process = os.environ.get("RANK", "0") == "0"  # only rank 0 reads checkpoints (no shared disk needed)
+    if main_process and cfg.resume is not None and cfg.resume != "auto" and not os.path.isfile(os.path.join(cfg.resume, "COMPLETE")):
         raise ConfigError("resume", f"{cfg.resume!r} is not a complete checkpoint folder (give auto, null or a checkpoints/step_N folder)")
     if cfg.resume == "auto" and not cfg.logging.run_dir:
         raise ConfigError("resume", "auto needs logging.run_dir: the run directory whose checkpoints to continue from")

@@ -13,6 +13,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
+from .distributed import World
 from .env import Environment
 from .feedback import Branch
 from .generation import GenerationBackend, SamplingParams
@@ -29,13 +30,22 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return float(1.0 - np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
 
 
-def run_paths(problems, env, backend, feedback, num_turns, sampling) -> dict[int, list[tuple[int, dict]]]:
-    """turn -> [(problem index, outcomes)] for one K=1 path per problem."""
-    rollout = expand_trees(problems, env, backend, feedback,
-                           TreeSettings(num_generations=1, num_turns=num_turns, joint_mode="align"), sampling)
+def run_paths(problems, env, backend, feedback, num_turns, sampling, seed: int | None = None,
+              world: World = World()) -> dict[int, list[tuple[int, dict]]]:
+    """turn -> [(problem index, outcomes)] for one K=1 path per problem, in problem order. With
+    several processes each runs its share of the problems and rank 0 gets them all (others: {})."""
+    start, stop = world.shard(len(problems))
+    mine: dict[int, list[tuple[int, dict]]] = defaultdict(list)
+    if stop > start:  # more processes than problems: some have none
+        rollout = expand_trees(problems[start:stop], env, backend, feedback,
+                               TreeSettings(num_generations=1, num_turns=num_turns, joint_mode="align"), sampling,
+                               seed=seed, tree_offset=start)
+        for node in rollout.nodes:  # K=1: one joint action per node
+            mine[node.turn].append((start + node.tree, node.outcomes[0]))
     per_turn: dict[int, list[tuple[int, dict]]] = defaultdict(list)
-    for node in rollout.nodes:  # K=1: one joint action per node
-        per_turn[node.turn].append((node.tree, node.outcomes[0]))
+    for part in world.gather(dict(mine)) or []:  # rank order is problem order
+        for turn, paths in part.items():
+            per_turn[turn].extend(paths)
     return per_turn
 
 
@@ -47,12 +57,15 @@ def evaluate(
     num_turns: int,
     sampling: SamplingParams,
     num_samples: int,
+    seed: int | None = None,
+    world: World = World(),
 ) -> dict[str, float]:
+    """Eval metrics (on rank 0 when several processes share the problems); `seed` keys the sampled paths' streams."""
     start = time.perf_counter()
     out: dict[str, float] = {}
-    greedy = run_paths(problems, env, backend, feedback, num_turns, replace(sampling, greedy=True))
+    greedy = run_paths(problems, env, backend, feedback, num_turns, replace(sampling, greedy=True), world=world)
     repeated = [p for p in problems for _ in range(num_samples)]
-    sampled = run_paths(repeated, env, backend, feedback, num_turns, sampling) if num_samples else {}
+    sampled = run_paths(repeated, env, backend, feedback, num_turns, sampling, seed, world) if num_samples else {}
     for turn in sorted(greedy):
         for key in greedy[turn][0][1]:
             out[f"eval/turn_{turn}/greedy_{key}_mean"] = float(np.mean([o[key] for _, o in greedy[turn]]))

@@ -22,6 +22,7 @@ class GenerationRequest:
     prompt: str  # the agent's prompt text (chat template applied by the backend)
     agent: int  # selects the agent's adapter (and base model)
     n: int  # samples to draw
+    seed: int | None = None  # key of this request's random streams (sample k uses stream_key(seed, k)); None: drawn
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ import torch
 
 from .generation import GenerationRequest, SamplingParams, encode_requests
 from .models import Agent
-from .sampling import sample, sampling_logprobs
+from .sampling import sample, sampling_logprobs, stream_key, stream_uniforms
 from .tree import Completion
 
 
@@ -52,16 +52,19 @@ class HFBackend:
         for request_ids in by_model.values():
             # Rows: each request repeated n times, so one generate call covers every agent and sample.
             rows = [r for r in request_ids for _ in range(requests[r].n)]
+            keys = [0] * len(rows) if params.greedy else [key for r in request_ids for key in row_keys(requests[r])]
             prompt_ids = encode_requests(self.agents, requests, request_ids)
             chunk = self.max_batch_rows or len(rows)
             for start in range(0, len(rows), chunk):
                 part = rows[start : start + chunk]
                 self.largest_chunk = max(self.largest_chunk, len(part))
-                for r, completion in zip(part, self._generate_rows(requests, part, prompt_ids, params)):
+                completions = self._generate_rows(requests, part, keys[start : start + chunk], prompt_ids, params)
+                for r, completion in zip(part, completions):
                     results[r].append(completion)
         return results
 
-    def _generate_rows(self, requests, rows: list[int], prompt_ids: dict[int, list[int]], params: SamplingParams):
+    def _generate_rows(self, requests, rows: list[int], keys: list[int], prompt_ids: dict[int, list[int]],
+                       params: SamplingParams):
         first = self.agents[requests[rows[0]].agent]
         model, tok = first.model, first.tokenizer
         eos = sorted(first.eos_ids())
@@ -75,6 +78,7 @@ class HFBackend:
             [self.agents[requests[r].agent].adapter for r in unique],
             expand,
             params,
+            stream_keys=torch.tensor(keys, dtype=torch.long),
             pad_id=tok.pad_token_id,
             eos_ids=eos,
         )
@@ -98,6 +102,13 @@ class HFBackend:
         return completions
 
 
+def row_keys(request: GenerationRequest) -> list[int]:
+    """The random-stream key of each of the request's n samples (a request without a seed draws one
+    from torch's global RNG, so seeded runs stay reproducible)."""
+    seed = request.seed if request.seed is not None else int(torch.randint(0, 2**32, (1,)))
+    return [stream_key(seed, k) for k in range(request.n)]
+
+
 @torch.no_grad()
 def decode(
     model: torch.nn.Module,
@@ -105,6 +116,7 @@ def decode(
     adapters: list[str],
     expand: torch.Tensor,
     params: SamplingParams,
+    stream_keys: torch.Tensor,
     pad_id: int,
     eos_ids: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -112,7 +124,9 @@ def decode(
 
     One batched prefill over the distinct prompts (left-padded, positions from the mask as in
     training), the KV cache gathered to the rows, then one forward per new token for all rows, each
-    row through its own agent's adapter. Returns (rows, steps) new token ids (pad after EOS) and,
+    row through its own agent's adapter. Row r draws token t with uniform number t of stream
+    stream_keys[r] (magrpo.sampling), whatever the other rows. Returns (rows, steps) new token ids
+    (pad after EOS) and,
     when asked, their sampling log-probs.
     """
     device = next(model.parameters()).device
@@ -134,7 +148,7 @@ def decode(
     tokens, token_logprobs = [], []
     for step in range(params.max_new_tokens):
         logp = sampling_logprobs(logits, params.temperature, params.top_k, params.top_p)
-        nxt = logp.argmax(-1) if params.greedy else sample(logp)
+        nxt = logp.argmax(-1) if params.greedy else sample(logp, stream_uniforms(stream_keys, step))
         if params.logprobs:
             token_logprobs.append(logp.gather(-1, nxt[:, None]).squeeze(-1))
         nxt = torch.where(finished, torch.full_like(nxt, pad_id), nxt)

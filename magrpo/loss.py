@@ -12,32 +12,37 @@ import torch
 
 from .registry import Registry
 
-# weights(lengths (B,), max_new_tokens, num_sequences) -> per-token weight of each sequence (B,).
-# The loss is sum_i w_i * sum_t l_it, so micro-batches simply add up to the full-batch loss.
-LOSS_AGGS: Registry[Callable[[torch.Tensor, int, int], torch.Tensor]] = Registry("loss_agg")
+# weights(lengths (B,), max_new_tokens, num_sequences, num_tokens) -> per-token weight of each
+# sequence (B,). The loss is sum_i w_i * sum_t l_it, so micro-batches (and data-parallel ranks, which
+# pass the global num_sequences and num_tokens) simply add up to the full-batch loss.
+LOSS_AGGS: Registry[Callable[[torch.Tensor, int, int, int], torch.Tensor]] = Registry("loss_agg")
 
 
 @LOSS_AGGS.register("token_mean")
-def token_mean_weights(lengths: torch.Tensor, max_new_tokens: int, num_sequences: int) -> torch.Tensor:
+def token_mean_weights(lengths: torch.Tensor, max_new_tokens: int, num_sequences: int, num_tokens: int) -> torch.Tensor:
     """Every completion token of the agent's batch counts equally (DAPO-style)."""
-    return torch.full_like(lengths, 1.0 / lengths.sum().clamp(min=1), dtype=torch.float32)
+    return torch.full_like(lengths, 1.0 / max(1, num_tokens), dtype=torch.float32)
 
 
 @LOSS_AGGS.register("seq_mean")
-def seq_mean_weights(lengths: torch.Tensor, max_new_tokens: int, num_sequences: int) -> torch.Tensor:
+def seq_mean_weights(lengths: torch.Tensor, max_new_tokens: int, num_sequences: int, num_tokens: int) -> torch.Tensor:
     """Mean over tokens within a sequence, then over sequences (original GRPO)."""
     return 1.0 / (lengths.float().clamp(min=1) * num_sequences)
 
 
 @LOSS_AGGS.register("dr_grpo")
-def dr_grpo_weights(lengths: torch.Tensor, max_new_tokens: int, num_sequences: int) -> torch.Tensor:
+def dr_grpo_weights(lengths: torch.Tensor, max_new_tokens: int, num_sequences: int, num_tokens: int) -> torch.Tensor:
     """Constant normaliser (Dr. GRPO, arXiv:2503.20783): no length bias."""
     return torch.full_like(lengths, 1.0 / (num_sequences * max_new_tokens), dtype=torch.float32)
 
 
-def sequence_weights(agg: str, lengths: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
-    """(B,) per-token weight for each of the agent's B sequences this step."""
-    return LOSS_AGGS.get(agg)(lengths, max_new_tokens, len(lengths))
+def sequence_weights(agg: str, lengths: torch.Tensor, max_new_tokens: int, num_sequences: int | None = None,
+                     num_tokens: int | None = None) -> torch.Tensor:
+    """(B,) per-token weight for each of the agent's B sequences this step. The counts default to
+    these B sequences; a data-parallel rank passes the counts over all ranks."""
+    num_sequences = len(lengths) if num_sequences is None else num_sequences
+    num_tokens = int(lengths.sum()) if num_tokens is None else num_tokens
+    return LOSS_AGGS.get(agg)(lengths, max_new_tokens, num_sequences, num_tokens)
 
 
 def gather_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

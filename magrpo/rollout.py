@@ -3,7 +3,7 @@ backend call, scored in one env call, and expanded through one feedback call."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
@@ -12,7 +12,8 @@ from .advantage import agent_credit, group_advantages, tree_returns
 from .env import Environment, Scored
 from .feedback import Branch
 from .generation import GenerationBackend, GenerationRequest, SamplingParams
-from .tree import Node, joint_actions
+from .sampling import stream_key
+from .tree import Completion, Node, joint_actions
 
 
 @dataclass
@@ -68,8 +69,15 @@ def expand_trees(
     feedback: Callable[[list[Branch]], list[list[str]]],
     tree: TreeSettings,
     sampling: SamplingParams,
+    seed: int | None = None,
+    tree_offset: int = 0,
 ) -> Rollout:
-    """`feedback(branches) -> next-turn prompts per branch` (a magrpo.feedback.Feedback)."""
+    """`feedback(branches) -> next-turn prompts per branch` (a magrpo.feedback.Feedback).
+
+    With a `seed`, every node's samples come from random streams keyed by (seed, tree_offset + tree
+    index, path of joint actions from the root, agent, sample): the same tree samples the same
+    completions whatever else is in the batch, e.g. when a data-parallel run gives this process the
+    trees from `tree_offset` on."""
     n, k = env.num_agents, tree.num_generations
     joint = joint_actions(tree.joint_mode, k, n)
     nodes: list[Node] = []
@@ -77,7 +85,8 @@ def expand_trees(
     for b, problem in enumerate(problems):
         prompts = env.agent_prompts(problem)
         level.append(Node(tree=b, turn=0, parent=None, prompts=prompts,
-                          prompt_history=[[p] for p in prompts], response_history=[[] for _ in range(n)]))
+                          prompt_history=[[p] for p in prompts], response_history=[[] for _ in range(n)],
+                          stream=None if seed is None else stream_key(seed, tree_offset + b)))
     rollout = Rollout(problems=problems, nodes=nodes, timings={"gen_s": 0.0, "reward_s": 0.0, "feedback_s": 0.0})
     for turn in range(tree.num_turns):
         first_id = len(nodes)
@@ -85,7 +94,8 @@ def expand_trees(
 
         # 1) generate: one backend call for every agent of every node of this turn
         t0 = time.perf_counter()
-        requests = [GenerationRequest(node.prompts[a], a, k) for node in level for a in range(n)]
+        requests = [GenerationRequest(node.prompts[a], a, k, None if node.stream is None else stream_key(node.stream, a))
+                    for node in level for a in range(n)]
         samples = backend.generate(requests, sampling)
         for i, node in enumerate(level):
             node.completions = samples[i * n : (i + 1) * n]
@@ -135,6 +145,7 @@ def expand_trees(
                 tree=level[i].tree, turn=turn + 1, parent=(first_id + i, j), prompts=child_prompts,
                 prompt_history=[branch.prompt_history[a] + [child_prompts[a]] for a in range(n)],
                 response_history=branch.response_history,
+                stream=None if level[i].stream is None else stream_key(level[i].stream, j),
             ))
         rollout.terminated_per_turn.append(terminated)
         rollout.timings["gen_s"] += t1 - t0
@@ -144,6 +155,42 @@ def expand_trees(
         if not level:
             break
     return rollout
+
+
+def portable(rollout: Rollout, tree_offset: int) -> Rollout:
+    """A process's rollout as rank 0 needs it for metrics and logs: tree ids made global (shard start
+    `tree_offset`), completions as text only, no branch histories (less to send)."""
+    nodes = [
+        replace(node, tree=node.tree + tree_offset, prompt_history=[], response_history=[],
+                completions=[[Completion([], c.text, [], c.finished) for c in agent] for agent in node.completions])
+        for node in rollout.nodes
+    ]
+    return replace(rollout, nodes=nodes)
+
+
+def merge_rollouts(parts: Sequence[Rollout]) -> Rollout:
+    """The rollouts of consecutive tree shards (in shard order) as the one rollout a single process
+    would have built: nodes turn by turn in tree order, node ids remapped."""
+    if len(parts) == 1:
+        return parts[0]
+    order = sorted(((node.turn, p, i) for p, part in enumerate(parts) for i, node in enumerate(part.nodes)),
+                   key=lambda key: key[:2])  # stable: within a part, the part's own (tree) order
+    new_id = {(p, i): gid for gid, (_, p, i) in enumerate(order)}
+    nodes = []
+    for _, p, i in order:
+        node = parts[p].nodes[i]
+        nodes.append(replace(
+            node, parent=None if node.parent is None else (new_id[(p, node.parent[0])], node.parent[1]),
+            children=[None if c is None else new_id[(p, c)] for c in node.children]))
+    turns = max(len(part.terminated_per_turn) for part in parts)
+    return Rollout(
+        problems=[problem for part in parts for problem in part.problems],
+        nodes=nodes,
+        timings={key: max(part.timings.get(key, 0.0) for part in parts) for key in parts[0].timings},  # the slowest rank
+        terminated_per_turn=[sum(part.terminated_per_turn[t] for part in parts if t < len(part.terminated_per_turn))
+                             for t in range(turns)],
+        reward_errors=sum(part.reward_errors for part in parts),
+    )
 
 
 def assign_advantages(nodes: list[Node], discount: float, cross_credit: str, baseline: str, scale: str) -> np.ndarray:

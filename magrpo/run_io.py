@@ -88,6 +88,16 @@ def sample_rows(step: int, record: Mapping[str, Any]) -> tuple[list[str], list[l
     return columns, rows
 
 
+class NullWriter:
+    """What data-parallel ranks other than 0 write: nothing."""
+
+    def log_metrics(self, step: int, metrics: Mapping[str, float]) -> None: ...
+    def log_trees(self, records: list[dict]) -> None: ...
+    def log_samples(self, step: int, records: list[dict]) -> None: ...
+    def log_adapters(self, folder: Path) -> None: ...
+    def close(self) -> None: ...
+
+
 class RunWriter:
     """Every metric goes to metrics.jsonl, and to wandb when enabled; trees to rollouts.jsonl."""
 

@@ -2,10 +2,50 @@
 
 `torch.multinomial` (and any per-vocabulary-entry random draw) is slow on CPU: a third of a tiny
 model's decode step. Inverse-CDF sampling needs one uniform number per row.
+
+Random streams are counter-based: the uniform that picks token t of a row is a hash of (the row's
+seed, t), not a draw from a global generator. A row's samples therefore do not depend on which other
+rows share its decode batch, so trees sharded over data-parallel processes (or chunked after an
+out-of-memory) sample exactly what one process would have sampled.
 """
 from __future__ import annotations
 
 import torch
+
+MASK32 = 0xFFFFFFFF
+_MULTIPLIERS = (0x7FEB352D, 0x846CA68B)  # lowbias32 (C. Wellons, "Hash function prospector")
+
+
+def _mul32(x, m: int):
+    """(x * m) mod 2^32 for 32-bit x without int64 overflow: the multiplier in 16-bit halves."""
+    return (x * (m & 0xFFFF) + (((x * (m >> 16)) & 0xFFFF) << 16)) & MASK32
+
+
+def hash32(x):
+    """A 32-bit integer mix; works on Python ints and on int64 tensors (element-wise) alike."""
+    x = x & MASK32
+    x = x ^ (x >> 16)
+    x = _mul32(x, _MULTIPLIERS[0])
+    x = x ^ (x >> 15)
+    x = _mul32(x, _MULTIPLIERS[1])
+    return x ^ (x >> 16)
+
+
+def stream_key(*parts: int) -> int:
+    """One 32-bit key from a path of non-negative ints, e.g. (seed, step, tree, joint action, agent, sample)."""
+    key = 0x9E3779B9
+    for part in parts:
+        part = int(part)
+        key = hash32(key ^ hash32((part ^ (part >> 32)) & MASK32))
+    return key
+
+
+def stream_uniforms(keys: torch.Tensor, counter: int) -> torch.Tensor:
+    """(R,) int64 row keys -> (R,) float64 uniforms in (0, 1): draw number `counter` of each row's stream
+    (53 bits from two hashes)."""
+    hi = hash32(keys ^ hash32(2 * counter))
+    lo = hash32(keys ^ hash32(2 * counter + 1))
+    return ((hi << 21) + (lo >> 11)).double().add_(0.5) / 2.0**53
 
 
 def sampling_logprobs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
@@ -25,9 +65,12 @@ def sampling_logprobs(logits: torch.Tensor, temperature: float, top_k: int, top_
     return scores.log_softmax(-1)
 
 
-def sample(logprobs: torch.Tensor) -> torch.Tensor:
-    """(R, V) log-probs -> (R,) token ids, one categorical draw per row (uses torch's global RNG).
-    The first index whose CDF exceeds u ~ U[0, total): zero-probability tokens are never picked."""
+def sample(logprobs: torch.Tensor, uniforms: torch.Tensor | None = None) -> torch.Tensor:
+    """(R, V) log-probs -> (R,) token ids, one categorical draw per row, from `uniforms` (R,) in (0, 1)
+    (default: torch's global RNG). The first index whose CDF exceeds u * total: zero-probability
+    tokens are never picked."""
     cdf = logprobs.exp().cumsum(-1)
-    u = torch.rand(cdf.shape[0], 1, device=cdf.device, dtype=cdf.dtype) * cdf[:, -1:]
+    if uniforms is None:
+        uniforms = torch.rand(cdf.shape[0], device=cdf.device, dtype=torch.float64)
+    u = uniforms.to(cdf.device, cdf.dtype)[:, None] * cdf[:, -1:]
     return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp(max=cdf.shape[-1] - 1)

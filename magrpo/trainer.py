@@ -14,12 +14,14 @@ import torch
 
 from . import checkpoint
 from .config import TrainConfig, validate
+from .distributed import World, reduce_counters, world_from_env
 from .env import Environment, make_env
 from .evaluation import evaluate
 from .feedback import Feedback
 from .generation import SamplingParams, make_backend
-from .rollout import Rollout, TreeSettings, assign_advantages, expand_trees
-from .run_io import RunWriter, make_run_dir, tree_records
+from .rollout import Rollout, TreeSettings, assign_advantages, expand_trees, merge_rollouts, portable
+from .run_io import NullWriter, RunWriter, make_run_dir, tree_records
+from .sampling import stream_key
 from .tree import count_leaves
 from .update import AgentUpdater, TrainSample
 
@@ -64,28 +66,51 @@ class TrainingError(RuntimeError):
     """Training cannot go on (reported as one line by the CLI); the last checkpoint is intact."""
 
 
+# Domains of the sampling streams: training rollouts and evaluation paths never share a stream.
+TRAIN_STREAM, EVAL_STREAM = 0, 1
+
+
 def train(cfg: TrainConfig, prepared: tuple[Environment, Feedback] | None = None) -> Path:
     env, feedback = prepared or prepare(cfg)
-    seed_everything(cfg.trainer.seed)
+    t = cfg.trainer
+    world = world_from_env(cfg.model.device, t.dist_timeout_min)
+    try:
+        return _train(cfg, env, feedback, world)
+    finally:
+        world.close()
+
+
+def _train(cfg: TrainConfig, env: Environment, feedback: Feedback, world: World) -> Path:
+    seed_everything(cfg.trainer.seed)  # the same on every rank: identical initial adapters
     t = cfg.trainer
     from .models import load_agents
 
     agents = load_agents(cfg, env.num_agents)
     backend = make_backend(cfg, agents)
     updaters = [AgentUpdater(a, t.lr, t.weight_decay, t.warmup_steps) for a in agents]
-    run_dir = make_run_dir(cfg.logging.run_dir, cfg.env["name"])
-    sampler = ProblemSampler(env.problems("train"), t.seed)
+    run_dir = Path(world.broadcast(str(make_run_dir(cfg.logging.run_dir, cfg.env["name"])) if world.is_main else None))
+    sampler = ProblemSampler(env.problems("train"), t.seed)  # the same order on every rank; each takes its shard
     first_step, env_step = 1, 0
     if cfg.resume:
-        state = checkpoint.resume(cfg.resume, run_dir, agents, updaters)
+        found = checkpoint.find(cfg.resume, run_dir, agents, updaters) if world.is_main else None
+        found = world.broadcast(found)  # rank 0 reads the checkpoint: other machines need no shared disk
+        state = checkpoint.apply(found, updaters) if found else None
         last = state["step"] if state else -1  # auto without a checkpoint: start over, drop old logs
         if state:
             first_step, env_step = state["step"] + 1, state["env_step"]
             sampler.load_state(state["sampler"])
-            env.load_state(state["env"])
-        for name in ("metrics.jsonl", "rollouts.jsonl"):  # what the interrupted run wrote after its checkpoint
-            checkpoint.truncate_log(run_dir / name, last)
-    writer = RunWriter(run_dir, asdict(cfg), cfg.logging.wandb)
+            ranks = state["ranks"]
+            if len(ranks) != world.size and world.is_main:
+                print(f"magrpo: the checkpoint was written by {len(ranks)} process(es), resuming with {world.size}: "
+                      f"rollouts are the same (seeded per tree), other random draws (LoRA dropout) are not",
+                      file=sys.stderr)
+            mine = ranks[min(world.rank, len(ranks) - 1)]
+            checkpoint.set_rng_state(mine["rng"])
+            env.load_state(mine["env"])
+        if world.is_main:
+            for name in ("metrics.jsonl", "rollouts.jsonl"):  # what the interrupted run wrote after its checkpoint
+                checkpoint.truncate_log(run_dir / name, last)
+    writer = RunWriter(run_dir, asdict(cfg), cfg.logging.wandb) if world.is_main else NullWriter()
     eval_problems = env.problems("eval")[: cfg.eval.max_problems or None]
     tree = TreeSettings(t.num_generations, t.num_turns, t.joint_mode, t.early_termination_threshold, cfg.reward.on_error)
     bad_in_row = 0
@@ -93,19 +118,33 @@ def train(cfg: TrainConfig, prepared: tuple[Environment, Feedback] | None = None
     g = cfg.generation
     # Sampling log-probs feed the train/inference mismatch metrics and truncated importance sampling.
     sampling = SamplingParams(g.max_new_tokens, g.temperature, g.top_p, g.top_k, logprobs=True)
-    print(f"magrpo: {env.num_agents} agent(s), K={t.num_generations}, T={t.num_turns}, {t.joint_mode}; "
-          f"run dir {run_dir}", file=sys.stderr)
-    bar = _progress(t.steps, cfg.logging.progress, initial=first_step - 1)
+    if world.is_main:
+        procs = f", {world.size} processes" if world.size > 1 else ""
+        print(f"magrpo: {env.num_agents} agent(s), K={t.num_generations}, T={t.num_turns}, {t.joint_mode}{procs}; "
+              f"run dir {run_dir}", file=sys.stderr)
+    bar = _progress(t.steps, cfg.logging.progress and world.is_main, initial=first_step - 1)
     stop = _StopSignals()
 
-    def save_checkpoint(step: int) -> Path:
-        state = {"step": step, "env_step": env_step, "sampler": sampler.state(), "env": env.state()}
-        return checkpoint.save(run_dir, step, agents, updaters, state, cfg.checkpoint.keep)
+    def save_checkpoint(step: int) -> None:
+        ranks = world.gather({"rng": checkpoint.rng_state(), "env": env.state()})
+        if world.is_main:
+            state = {"step": step, "env_step": env_step, "sampler": sampler.state(), "ranks": ranks}
+            checkpoint.save(run_dir, step, agents, updaters, state, cfg.checkpoint.keep)
 
-    def run_eval() -> dict[str, float]:
+    def own_metrics(*parts: dict[str, float]) -> dict[str, float]:
+        """The env's, feedback's and backend's own numbers, merged over ranks (rank 0)."""
+        merged: dict[str, float] = {}
+        for part in parts:
+            merged.update(part)
+        return reduce_counters(world.gather(merged) or [{}])
+
+    def run_eval(step: int) -> dict[str, float]:
         bar.write(f"magrpo: evaluating {len(eval_problems)} problem(s), greedy + {cfg.eval.num_samples} sample(s), "
                   f"{t.num_turns} turn(s)", file=sys.stderr)
-        out = evaluate(env, backend, feedback, eval_problems, t.num_turns, sampling, cfg.eval.num_samples)
+        out = evaluate(env, backend, feedback, eval_problems, t.num_turns, sampling, cfg.eval.num_samples,
+                       seed=stream_key(t.seed, step, EVAL_STREAM), world=world)
+        if not world.is_main:
+            return out
         last = t.num_turns - 1
         summary = ", ".join(f"{key.split('/', 2)[2]} {out[key]:.3f}" for key in
                             (f"eval/turn_{last}/greedy_reward_mean", f"eval/turn_{last}/pass@1_greedy") if key in out)
@@ -114,27 +153,31 @@ def train(cfg: TrainConfig, prepared: tuple[Environment, Feedback] | None = None
 
     try:
         if cfg.eval.at_start and first_step == 1:
-            writer.log_metrics(0, {**run_eval(), **feedback.metrics(), **backend.metrics()})
+            start_eval = run_eval(0)
+            writer.log_metrics(0, {**start_eval, **own_metrics(feedback.metrics(), backend.metrics())})
         for step in range(first_step, t.steps + 1):
             start = time.perf_counter()
             tokens_before = backend.generated_tokens
             problems = sampler.next(t.batch_size)
-            rollout = oom_retry(lambda: expand_trees(problems, env, backend, feedback, tree, sampling),
+            lo, hi = world.shard(len(problems))  # this rank's trees; sampling is keyed by the global tree index
+            rollout = oom_retry(lambda: expand_trees(problems[lo:hi], env, backend, feedback, tree, sampling,
+                                                     seed=stream_key(t.seed, step, TRAIN_STREAM), tree_offset=lo),
                                 getattr(backend, "halve_batch", None),
                                 "generation.max_batch_rows" if cfg.backend == "hf" else "vllm.gpu_memory_utilization")
             new_tokens = backend.generated_tokens - tokens_before  # before evaluation adds its own tokens
-            zero_std = assign_advantages(rollout.nodes, t.discount, t.cross_credit, t.baseline, t.advantage_scale)
-            env_step += sum(len(n.joint) for n in rollout.nodes)
+            assign_advantages(rollout.nodes, t.discount, t.cross_credit, t.baseline, t.advantage_scale)
 
             u0 = time.perf_counter()
             backend_metrics = backend.metrics()  # this rollout's numbers (e.g. prefix-cache hits), before eval
             backend.sleep()
+            # Several processes: an out-of-memory retry on one rank would desynchronise the gradient all-reduce.
+            shrink_micro = (lambda: _halve(micro)) if world.size == 1 else None
             agent_stats = [
                 oom_retry(lambda: up.step(_samples_of(rollout, a.index), loss_agg=t.loss_agg,
                                           max_new_tokens=g.max_new_tokens, micro_batch_size=micro[0],
                                           ppo_epochs=t.ppo_epochs, clip_eps=t.clip_eps, kl_coef=t.kl_coef,
-                                          max_grad_norm=t.max_grad_norm, tis_cap=t.tis_cap),
-                          lambda: _halve(micro), "trainer.micro_batch_size")
+                                          max_grad_norm=t.max_grad_norm, tis_cap=t.tis_cap, world=world),
+                          shrink_micro, "trainer.micro_batch_size")
                 for a, up in zip(agents, updaters)
             ]
             backend.sync_weights()  # adapters reach the generator (vllm: new version, checked by the guard)
@@ -147,47 +190,60 @@ def train(cfg: TrainConfig, prepared: tuple[Environment, Feedback] | None = None
                                     f"or check the rewards; the last checkpoint is intact")
             step_s = time.perf_counter() - start
 
-            metrics = _metrics(rollout, zero_std, agent_stats, t.num_turns)
-            metrics["train/reward_errors"] = rollout.reward_errors
-            metrics.update(env.metrics())
-            metrics.update(backend_metrics)
-            if (cfg.eval.every and step % cfg.eval.every == 0) or (cfg.eval.at_end and step == t.steps):
-                metrics.update(run_eval())
-            metrics.update(feedback.metrics())
-            metrics.update({
-                "env_step": env_step, "perf/update_s": update_s, "perf/step_s": step_s,
-                "perf/tokens_per_s": new_tokens / max(rollout.timings["gen_s"], 1e-9),
-                **{f"perf/{k}": v for k, v in rollout.timings.items()},
-                "perf/peak_mem_gb": peak_memory_gb(backend_device(agents)),
-            })
-            writer.log_metrics(step, metrics)
+            # Rank 0 sees the whole batch: every rank's trees, merged as one process would have built them.
+            parts = world.gather({"rollout": portable(rollout, lo), "tokens": new_tokens,
+                                  "mem": peak_memory_gb(backend_device(agents))})
+            own = own_metrics(env.metrics(), backend_metrics)
+            evaluating = (cfg.eval.every and step % cfg.eval.every == 0) or (cfg.eval.at_end and step == t.steps)
+            eval_metrics = run_eval(step) if evaluating else {}
+            own.update(own_metrics(feedback.metrics()))  # after evaluation: its expert calls count too
             every = cfg.logging.samples_every
             samples = every and (step % every == 0 or step == t.steps)
-            if cfg.logging.rollouts or samples:
-                records = tree_records(step, rollout.problems, rollout.nodes)
-                if cfg.logging.rollouts:
-                    writer.log_trees(records)
-                if samples:
-                    writer.log_samples(step, records)
+            if world.is_main:
+                whole = merge_rollouts([part["rollout"] for part in parts])
+                zero_std = assign_advantages(whole.nodes, t.discount, t.cross_credit, t.baseline, t.advantage_scale)
+                env_step += sum(len(n.joint) for n in whole.nodes)
+                metrics = _metrics(whole, zero_std, agent_stats, t.num_turns)
+                metrics["train/reward_errors"] = whole.reward_errors
+                metrics.update(own)
+                metrics.update(eval_metrics)
+                metrics.update({
+                    "env_step": env_step, "perf/update_s": update_s, "perf/step_s": step_s,
+                    "perf/tokens_per_s": sum(part["tokens"] for part in parts) / max(whole.timings["gen_s"], 1e-9),
+                    **{f"perf/{k}": v for k, v in whole.timings.items()},
+                    "perf/peak_mem_gb": max(part["mem"] for part in parts),
+                })
+                writer.log_metrics(step, metrics)
+                if cfg.logging.rollouts or samples:
+                    records = tree_records(step, whole.problems, whole.nodes)
+                    if cfg.logging.rollouts:
+                        writer.log_trees(records)
+                    if samples:
+                        writer.log_samples(step, records)
+                bar.update(1)
+                bar.set_postfix(reward=f"{metrics['train/reward_mean']:.3f}", tok_s=f"{metrics['perf/tokens_per_s']:.0f}")
+                if cfg.logging.every and step % cfg.logging.every == 0:
+                    bar.write(summary_line(step, t.steps, metrics, env.num_agents, t.num_turns), file=sys.stderr)
+            stopping = world.any(stop.signal is not None)  # a signal that reached any rank stops them all here
             every = cfg.checkpoint.every
-            if (every and step % every == 0) or step == t.steps or stop.signal:
+            if (every and step % every == 0) or step == t.steps or stopping:
                 save_checkpoint(step)
-            bar.update(1)
-            bar.set_postfix(reward=f"{metrics['train/reward_mean']:.3f}", tok_s=f"{metrics['perf/tokens_per_s']:.0f}")
-            if cfg.logging.every and step % cfg.logging.every == 0:
-                bar.write(summary_line(step, t.steps, metrics, env.num_agents, t.num_turns), file=sys.stderr)
-            if stop.signal:
-                print(f"\nmagrpo: stopped by {stop.signal.name} after step {step}; checkpoint written, continue "
-                      f"with resume=auto logging.run_dir={run_dir}", file=sys.stderr)
+            if stopping:
+                if world.is_main:
+                    name = stop.signal.name if stop.signal else "a signal to another process"
+                    print(f"\nmagrpo: stopped by {name} after step {step}; checkpoint written, continue "
+                          f"with resume=auto logging.run_dir={run_dir}", file=sys.stderr)
                 return run_dir
-        _save(agents, run_dir / "adapters")
-        writer.log_adapters(run_dir / "adapters")
+        if world.is_main:
+            _save(agents, run_dir / "adapters")
+            writer.log_adapters(run_dir / "adapters")
     finally:
         stop.restore()
         bar.close()
         writer.close()
         backend.close()
-    print(f"magrpo: done; adapters in {run_dir / 'adapters'}", file=sys.stderr)
+    if world.is_main:
+        print(f"magrpo: done; adapters in {run_dir / 'adapters'}", file=sys.stderr)
     return run_dir
 
 

@@ -59,6 +59,7 @@ class Node:
     children: list[int | None] = field(default_factory=list)  # (J,) child node id or None (leaf)
     returns: np.ndarray | None = None  # (J,)
     advantages: np.ndarray | None = None  # (N, K)
+    stream: int | None = None  # random-stream key of this node (from the run seed, step, tree and path)
 
 
 def count_leaves(nodes: list[Node]) -> int:

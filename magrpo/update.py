@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .distributed import World
 from .loss import gather_logprobs, policy_loss, sequence_weights, token_entropy
 from .models import Agent
 
@@ -155,13 +156,18 @@ class AgentUpdater:
         kl_coef: float,
         max_grad_norm: float,
         tis_cap: float = 0.0,
+        world: World = World(),
     ) -> dict[str, float]:
+        """One optimizer step on this agent's samples (with data parallelism: this rank's share; the
+        loss is normalised over all ranks' samples and the gradients summed, so every rank takes the
+        step the whole batch gives). Returns the step's numbers over all ranks."""
         model, agent = self.agent.model, self.agent
         device = next(model.parameters()).device
-        lengths = torch.tensor([len(s.completion_ids) for s in samples])
-        weights = sequence_weights(loss_agg, lengths, max_new_tokens)
+        lengths = torch.tensor([len(s.completion_ids) for s in samples], dtype=torch.long)
         # Zero-advantage sequences add nothing to the policy gradient: skip their forward unless KL needs it.
         keep = [i for i, s in enumerate(samples) if s.advantage != 0.0 or kl_coef > 0]
+        num_sequences, num_tokens, num_kept = world.sum_floats([len(lengths), int(lengths.sum()), len(keep)], device)
+        weights = sequence_weights(loss_agg, lengths, max_new_tokens, int(num_sequences), int(num_tokens))
         batches = micro_batches(samples, keep, micro_batch_size)
         model.set_adapter(agent.adapter)  # also makes only this adapter trainable
         model.train()
@@ -191,6 +197,8 @@ class AgentUpdater:
                 if epoch == ppo_epochs - 1:
                     for key in ("loss", "clipped_tokens", "kl_sum"):
                         totals[key] += float(stats.get(key, 0.0))
+            if world.size > 1 and num_kept:  # no rank trained a row: no gradient anywhere, as in one process
+                self._sum_gradients(world)
             clip = max_grad_norm if max_grad_norm > 0 else float("inf")
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, clip))
             if not math.isfinite(grad_norm):  # a NaN/inf loss or gradient: keep the weights, count it
@@ -201,25 +209,39 @@ class AgentUpdater:
         lr = self.scheduler.get_last_lr()[0]
         if not skipped:  # the schedule counts updates that happened
             self.scheduler.step()
-        tokens = max(1, int(lengths[keep].sum())) if keep else 1
+        names = ["loss", "clipped_tokens", "kl_sum", "entropy_sum"]
+        summed = dict(zip(names + [f"mismatch_{k}" for k in mismatch] + ["trained_tokens", "trained_seqs"],
+                          world.sum_floats([totals[k] for k in names] + list(mismatch.values())
+                                           + [int(lengths[keep].sum()) if keep else 0, len(keep)], device)))
+        mismatch = {k: summed[f"mismatch_{k}"] for k in mismatch}
+        tokens = max(1.0, summed["trained_tokens"])
         out = {
-            "loss": totals["loss"],
-            "clip_frac": totals["clipped_tokens"] / tokens,
-            "kl": totals["kl_sum"] / tokens,
+            "loss": summed["loss"],
+            "clip_frac": summed["clipped_tokens"] / tokens,
+            "kl": summed["kl_sum"] / tokens,
             "grad_norm": grad_norm,
             "lr": lr,
-            "completion_len": float(lengths.float().mean()),
-            "trained_seqs": float(len(keep)),
+            "completion_len": num_tokens / max(1.0, num_sequences),
+            "trained_seqs": summed["trained_seqs"],
             "skipped_updates": float(skipped),
         }
-        if keep:  # entropy of the policy on the tokens it trained on (none trained: no number)
-            out["entropy"] = totals["entropy_sum"] / tokens
+        if summed["trained_seqs"]:  # entropy of the policy on the tokens it trained on (none trained: no number)
+            out["entropy"] = summed["entropy_sum"] / tokens
         if mismatch["tokens"]:  # the backend returned log-probs: how far its sampler is from the trainer
             out["logp_mismatch"] = mismatch["abs_sum"] / mismatch["tokens"]
             out["is_weight_mean"] = mismatch["weight_sum"] / mismatch["tokens"]
             if tis_cap > 0:
                 out["tis_clip_frac"] = mismatch["capped"] / mismatch["tokens"]
         return out
+
+    def _sum_gradients(self, world: World) -> None:
+        """All-reduce this agent's LoRA gradients as one flat buffer (a rank without rows adds zeros)."""
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        flat = world.sum_(torch.cat([g.reshape(-1).float() for g in grads]))
+        offset = 0
+        for p in self.params:
+            p.grad = flat[offset : offset + p.numel()].view_as(p).to(p.dtype)
+            offset += p.numel()
 
     @torch.no_grad()
     def _reference_logprobs(self, batch: PackedBatch) -> torch.Tensor:

@@ -13,6 +13,7 @@ from magrpo.generation import GenerationRequest, SamplingParams
 from magrpo.hf_backend import HFBackend
 from magrpo.models import load_agents
 from magrpo.rollout import TreeSettings, expand_trees
+from magrpo.sampling import stream_key
 from magrpo.tiny import TinySpec, tiny_model_path
 from magrpo.update import TrainSample, forward_logprobs, pack
 
@@ -91,3 +92,22 @@ def test_sampling_logprobs_match_the_trainers_recomputed_logprobs(agents):
             logp = forward_logprobs(model, batch)
         for row, c in enumerate(completions):
             torch.testing.assert_close(logp[row][batch.target_mask[row]], torch.tensor(c.logprobs), atol=2e-4, rtol=1e-4)
+
+
+def test_a_seeded_request_samples_the_same_alone_in_a_batch_or_in_chunks(agents):
+    """Per-row random streams: what a request samples does not depend on the rest of the decode
+    batch (the basis of data-parallel runs matching one process), and changes with its seed."""
+    params = SamplingParams(max_new_tokens=8, temperature=1.5)
+    mine = GenerationRequest("def f(x):", 1, 3, seed=stream_key(0, 5))
+    others = [GenerationRequest(p, a, 4, seed=stream_key(1, i)) for i, (p, a) in
+              enumerate([("import os", 0), ("x = [", 1), ("class A:\n    def", 0)])]
+
+    def ids(backend, requests):
+        return [c.token_ids for c in backend.generate(requests, params)[requests.index(mine)]]
+
+    alone = ids(HFBackend(agents), [mine])
+    assert ids(HFBackend(agents), [*others, mine]) == alone
+    assert ids(HFBackend(agents, max_batch_rows=2), [others[0], mine, others[1]]) == alone
+    reseeded = GenerationRequest(mine.prompt, mine.agent, mine.n, seed=stream_key(0, 6))
+    assert [c.token_ids for c in HFBackend(agents).generate([reseeded], params)[0]] != alone
+    assert len({tuple(t) for t in alone}) > 1  # the n samples of one request differ from each other

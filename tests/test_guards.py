@@ -111,8 +111,7 @@ def test_generation_out_of_memory_halves_the_decode_batch(make_cfg, monkeypatch,
 
     real = HFBackend._generate_rows
     monkeypatch.setattr(HFBackend, "_generate_rows",
-                        lambda self, requests, rows, prompt_ids, params: _oom_if(len(rows) > 4)
-                        or real(self, requests, rows, prompt_ids, params))
+                        lambda self, requests, rows, *rest: _oom_if(len(rows) > 4) or real(self, requests, rows, *rest))
     train(make_cfg("trainer.steps=1", "eval.at_end=false"))  # B=2, N=2, K=2: 8 rows at turn 0
     assert "retrying with generation.max_batch_rows=4" in capsys.readouterr().err
 

@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from magrpo.sampling import sample, sampling_logprobs
+from magrpo.sampling import hash32, sample, sampling_logprobs, stream_key, stream_uniforms
 
 
 def test_temperature_scales_logits_before_softmax():
@@ -47,3 +47,30 @@ def test_sample_is_reproducible_under_the_global_seed():
     a = sample(logp)
     torch.manual_seed(3)
     assert torch.equal(a, sample(logp))
+
+
+def test_stream_hash_is_the_same_on_python_ints_and_tensors():
+    keys = [0, 1, 2**31, 2**32 - 1, stream_key(7, 3, 1)]
+    assert hash32(torch.tensor(keys)).tolist() == [hash32(k) for k in keys]
+    assert len({stream_key(0, tree) for tree in range(10_000)}) == 10_000  # no collisions among nearby paths
+
+
+def test_stream_uniforms_are_uniform_and_independent_of_the_other_rows():
+    keys = torch.tensor([stream_key(0, i) for i in range(100_000)])
+    u = stream_uniforms(keys, 5)
+    assert 0 < float(u.min()) and float(u.max()) < 1
+    # mean and variance of U(0, 1): 1/2 and 1/12; std of the mean at n=1e5 is ~0.0009
+    assert abs(float(u.mean()) - 0.5) < 5e-3 and abs(float(u.var()) - 1 / 12) < 5e-3
+    assert abs(float(torch.corrcoef(torch.stack([u, stream_uniforms(keys, 6)]))[0, 1])) < 0.02
+    # a row's draw depends on its key and counter only
+    assert torch.equal(stream_uniforms(keys[17:18], 5), u[17:18])
+    assert not torch.equal(stream_uniforms(keys[:100], 6), u[:100])
+
+
+def test_stream_samples_follow_the_distribution():
+    probs = torch.tensor([0.5, 0.0, 0.3, 0.2, 0.0])
+    logp = probs.log().expand(200_000, -1)
+    uniforms = stream_uniforms(torch.tensor([stream_key(1, i) for i in range(200_000)]), 0)
+    counts = torch.bincount(sample(logp, uniforms), minlength=5).float() / 200_000
+    assert counts[1] == 0 and counts[4] == 0
+    torch.testing.assert_close(counts, probs, atol=6e-3, rtol=0)

@@ -1,0 +1,150 @@
+"""Data parallelism: the pieces as plain functions (sharding, merging the ranks' trees, reducing
+their numbers), then real `torchrun --nproc_per_node=2` runs on CPU (gloo) against one process."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from magrpo.distributed import World, reduce_counters
+from magrpo.rollout import TreeSettings, assign_advantages, expand_trees, merge_rollouts, portable
+from magrpo.run_io import tree_records
+from tests.conftest import ROOT, SMALL
+from tests.test_tree_shape import PROBLEMS, SAMPLING, FakeBackend, FakeEnv, serial
+
+
+@pytest.mark.parametrize("count,size", [(4, 2), (3, 2), (5, 3), (2, 2), (7, 1)])
+def test_shards_are_contiguous_cover_everything_and_differ_by_at_most_one(count, size):
+    shards = [World(rank, size).shard(count) for rank in range(size)]
+    assert shards[0][0] == 0 and shards[-1][1] == count
+    assert all(a[1] == b[0] for a, b in zip(shards, shards[1:]))
+    sizes = [stop - start for start, stop in shards]
+    assert max(sizes) - min(sizes) <= 1 and min(sizes) >= 1
+
+
+def _rollout(problems, mode="cross", threshold=2.0):
+    env = FakeEnv(2)
+    tree = TreeSettings(2, 3, mode, early_termination_threshold=threshold)
+    rollout = expand_trees(problems, env, FakeBackend(), serial(lambda **kw: ["x", "y"], env), tree, SAMPLING)
+    assign_advantages(rollout.nodes, 1.0, "mean", "mean", "none")
+    return rollout
+
+
+@pytest.mark.parametrize("mode", ["align", "cross"])
+def test_merged_shards_give_the_single_process_trees(mode):
+    """Trees expanded in two shards and merged: the same records (ids, parents, children, rewards,
+    returns, advantages) as one expansion of the whole batch; the fake backend's texts carry a
+    counter, so texts are compared without it."""
+    problems = [*PROBLEMS, {"prompt": "P2", "offset": 0.5}]
+    whole = _rollout(problems, mode)
+    parts = [portable(_rollout(problems[:2], mode), 0), portable(_rollout(problems[2:], mode), 2)]
+    merged = merge_rollouts(parts)
+
+    def shape(records):
+        for record in records:
+            for node in record["nodes"]:
+                node["completions"] = [[text.split("u")[0] for text in agent] for agent in node["completions"]]
+        return records
+
+    assert shape(tree_records(1, merged.problems, merged.nodes)) == shape(tree_records(1, whole.problems, whole.nodes))
+    assert [n.turn for n in merged.nodes] == sorted(n.turn for n in merged.nodes)  # turn-major, as one process builds
+    assert merged.terminated_per_turn == whole.terminated_per_turn
+    assert all(c.token_ids == [] for n in merged.nodes for agent in n.completions for c in agent)  # texts travel, ids not
+
+
+def test_rank_metrics_sum_counters_and_average_rates():
+    merged = reduce_counters([{"env/sandbox_runs": 10, "perf/rate": 4.0, "expert/reference": 1.0},
+                              {"env/sandbox_runs": 7, "perf/rate": 2.0, "only/one": 3}])
+    assert merged == {"env/sandbox_runs": 17, "perf/rate": 3.0, "expert/reference": 1.0, "only/one": 3}
+
+
+# ---------------------------------------------------------------- torchrun on CPU
+
+# B=3 trees over 2 processes: an uneven split (2 + 1), so a per-rank loss normaliser would show.
+# A small lr keeps Adam's sign-like first steps from turning reduction-order noise into different samples.
+RUN = [*SMALL, "trainer.steps=3", "trainer.batch_size=3", "generation.max_new_tokens=10", "trainer.lr=1e-5",
+       "eval.every=1", "eval.at_end=false", "eval.max_problems=3", "checkpoint.every=1", "checkpoint.keep=5"]
+
+
+def run(run_dir, procs: int, *overrides):
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}"] \
+        if procs > 1 else [sys.executable]
+    proc = subprocess.run([*launcher, "train.py", *RUN, f"logging.run_dir={run_dir}", *overrides], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stderr
+
+
+def metrics(run_dir):
+    return [{k: v for k, v in json.loads(line).items() if not k.startswith("perf/")}
+            for line in open(run_dir / "metrics.jsonl")]
+
+
+def lora(run_dir, step):
+    return {a: torch.load(run_dir / "checkpoints" / f"step_{step:06d}" / f"agent_{a}" / "train.pt")["params"]
+            for a in (0, 1)}
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("dp") / "one"
+    run(run_dir, 1)
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("dp") / "two"
+    err = run(run_dir, 2)
+    assert "2 processes" in err and err.count("magrpo: done") == 1  # rank 0 alone reports
+    return run_dir
+
+
+def test_two_processes_sample_the_same_trees_and_log_the_same_metrics(single, two):
+    assert (two / "rollouts.jsonl").read_bytes() == (single / "rollouts.jsonl").read_bytes()
+    one, dp = metrics(single), metrics(two)
+    assert [m["step"] for m in dp] == [1, 2, 3]
+    for a, b in zip(one, dp):
+        assert a.keys() == b.keys()
+        for key in a:  # loss and log-prob mismatch are sums of ~1e-9 terms: compare with an absolute floor
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (a["step"], key)
+    assert any(m["train/agent_0/grad_norm"] > 0 for m in one)
+    assert any(key.startswith("eval/") for key in dp[0])  # evaluation ran sharded too
+
+
+def test_two_processes_end_with_the_single_process_adapters(single, two):
+    first = lora(single, 1)
+    for step in (1, 2, 3):
+        one, dp = lora(single, step), lora(two, step)
+        for a in (0, 1):
+            if step > 1:  # the tolerance is far below what training moves the weights by
+                assert max(float((p - q).abs().max()) for p, q in zip(one[a], first[a])) > 1e-5
+            for p, q in zip(one[a], dp[a]):
+                torch.testing.assert_close(q, p, atol=1e-6, rtol=0)
+
+
+def test_a_two_process_run_resumes_from_its_checkpoint(tmp_path, single):
+    run_dir = tmp_path / "resumed"
+    run(run_dir, 2, "trainer.steps=2")
+    trainer_state = torch.load(run_dir / "checkpoints" / "step_000002" / "trainer.pt", weights_only=False)
+    assert len(trainer_state["ranks"]) == 2  # each process's RNG and env counters
+    err = run(run_dir, 2, "resume=auto")
+    assert "resuming from" in err
+    assert (run_dir / "rollouts.jsonl").read_bytes() == (single / "rollouts.jsonl").read_bytes()
+    for p, q in zip(lora(single, 3)[1], lora(run_dir, 3)[1]):
+        torch.testing.assert_close(q, p, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("overrides,key", [(["trainer.batch_size=2"], "trainer.batch_size"),
+                                           (["trainer.batch_size=8", "backend=vllm"], "backend")])
+def test_torchrun_settings_that_cannot_work_are_one_line_errors(monkeypatch, overrides, key):
+    from magrpo.config import ConfigError, validate
+    from tests.conftest import compose
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(ConfigError) as e:
+        validate(compose([*SMALL, *overrides]))
+    assert e.value.key == key and "\n" not in str(e.value)
