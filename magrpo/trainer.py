@@ -365,15 +365,20 @@ class _StopSignals:
 
     def __init__(self):
         self.signal: signal.Signals | None = None
+        self.since = 0.0
         self.previous = {}
         if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread
             for sig in (signal.SIGTERM, signal.SIGINT):
                 self.previous[sig] = signal.signal(sig, self._handle)
 
+    REPEAT_S = 2.0  # Ctrl-C under torchrun arrives twice at once: from the terminal and forwarded by torchrun
+
     def _handle(self, signum, frame) -> None:
         if self.signal is not None:
+            if time.monotonic() - self.since < self.REPEAT_S:
+                return
             raise KeyboardInterrupt
-        self.signal = signal.Signals(signum)
+        self.signal, self.since = signal.Signals(signum), time.monotonic()
         print(f"\nmagrpo: {self.signal.name}: finishing this step, then writing a checkpoint", file=sys.stderr)
 
     def restore(self) -> None:

@@ -3,8 +3,10 @@ their numbers), then real `torchrun --nproc_per_node=2` runs on CPU (gloo) again
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -148,3 +150,27 @@ def test_torchrun_settings_that_cannot_work_are_one_line_errors(monkeypatch, ove
     with pytest.raises(ConfigError) as e:
         validate(compose([*SMALL, *overrides]))
     assert e.value.key == key and "\n" not in str(e.value)
+
+
+def test_sigterm_to_torchrun_checkpoints_every_process_and_resumes(tmp_path):
+    """torchrun forwards SIGTERM to every process: they finish the step together, rank 0 writes one
+    checkpoint, and `resume=auto` under torchrun continues to the uninterrupted run's rollouts."""
+    settings = ["trainer.steps=6", "eval.every=0", "checkpoint.every=100", "generation.max_new_tokens=24"]
+    reference = tmp_path / "reference"
+    run(reference, 1, *settings)
+    run_dir = tmp_path / "stopped"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py", *RUN,
+           f"logging.run_dir={run_dir}", *settings]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not (run_dir / "metrics.jsonl").is_file() or len((run_dir / "metrics.jsonl").read_text().splitlines()) < 2:
+        assert proc.poll() is None and time.monotonic() < deadline, "the run ended before it could be stopped"
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert err.count("finishing this step") == 2 and "checkpoint written" in err
+    steps = [json.loads(line)["step"] for line in open(run_dir / "metrics.jsonl")]
+    assert steps[-1] < 6, "the signal came too late to test anything"
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == [f"step_{steps[-1]:06d}"]
+    run(run_dir, 2, *settings, "resume=auto")
+    assert (run_dir / "rollouts.jsonl").read_bytes() == (reference / "rollouts.jsonl").read_bytes()
