@@ -170,16 +170,18 @@ def _train(cfg: TrainConfig, env: Environment, feedback: Feedback, world: World)
             u0 = time.perf_counter()
             backend_metrics = backend.metrics()  # this rollout's numbers (e.g. prefix-cache hits), before eval
             backend.sleep()
-            # Several processes: an out-of-memory retry on one rank would desynchronise the gradient all-reduce.
-            shrink_micro = (lambda: _halve(micro)) if world.size == 1 else None
-            agent_stats = [
-                oom_retry(lambda: up.step(_samples_of(rollout, a.index), loss_agg=t.loss_agg,
-                                          max_new_tokens=g.max_new_tokens, micro_batch_size=micro[0],
-                                          ppo_epochs=t.ppo_epochs, clip_eps=t.clip_eps, kl_coef=t.kl_coef,
-                                          max_grad_norm=t.max_grad_norm, tis_cap=t.tis_cap, world=world),
-                          shrink_micro, "trainer.micro_batch_size")
-                for a, up in zip(agents, updaters)
-            ]
+            agent_stats = []
+            for a, up in zip(agents, updaters):
+                samples = _samples_of(rollout, a.index)
+                # Taken once, outside the retry: a rank that retries after an out-of-memory (in its forward
+                # or backward) then meets the others at the gradient all-reduce.
+                counts = up.batch_counts(samples, t.kl_coef, world)
+                agent_stats.append(oom_retry(
+                    lambda: up.step(samples, loss_agg=t.loss_agg, max_new_tokens=g.max_new_tokens,
+                                    micro_batch_size=micro[0], ppo_epochs=t.ppo_epochs, clip_eps=t.clip_eps,
+                                    kl_coef=t.kl_coef, max_grad_norm=t.max_grad_norm, tis_cap=t.tis_cap,
+                                    world=world, counts=counts),
+                    lambda: _halve(micro), "trainer.micro_batch_size"))
             backend.sync_weights()  # adapters reach the generator (vllm: new version, checked by the guard)
             update_s = time.perf_counter() - u0
             bad = [a for a, stats in enumerate(agent_stats) if stats["skipped_updates"]]

@@ -132,6 +132,11 @@ def importance_weights(logp: torch.Tensor, samples: list[TrainSample], mask: tor
     return weight.clamp(max=tis_cap)
 
 
+def trained_rows(samples: list[TrainSample], kl_coef: float) -> list[int]:
+    """Zero-advantage sequences add nothing to the policy gradient: skip their forward unless KL needs it."""
+    return [i for i, s in enumerate(samples) if s.advantage != 0.0 or kl_coef > 0]
+
+
 class AgentUpdater:
     """Owns one agent's optimizer and learning-rate schedule."""
 
@@ -157,16 +162,18 @@ class AgentUpdater:
         max_grad_norm: float,
         tis_cap: float = 0.0,
         world: World = World(),
+        counts: tuple[float, float, float] | None = None,
     ) -> dict[str, float]:
         """One optimizer step on this agent's samples (with data parallelism: this rank's share; the
         loss is normalised over all ranks' samples and the gradients summed, so every rank takes the
-        step the whole batch gives). Returns the step's numbers over all ranks."""
+        step the whole batch gives). `counts`: `batch_counts` of the same samples, when the caller
+        took them already (a retry after an out-of-memory must not repeat that collective). Returns
+        the step's numbers over all ranks."""
         model, agent = self.agent.model, self.agent
         device = next(model.parameters()).device
         lengths = torch.tensor([len(s.completion_ids) for s in samples], dtype=torch.long)
-        # Zero-advantage sequences add nothing to the policy gradient: skip their forward unless KL needs it.
-        keep = [i for i, s in enumerate(samples) if s.advantage != 0.0 or kl_coef > 0]
-        num_sequences, num_tokens, num_kept = world.sum_floats([len(lengths), int(lengths.sum()), len(keep)], device)
+        keep = trained_rows(samples, kl_coef)
+        num_sequences, num_tokens, num_kept = counts or self.batch_counts(samples, kl_coef, world)
         weights = sequence_weights(loss_agg, lengths, max_new_tokens, int(num_sequences), int(num_tokens))
         batches = micro_batches(samples, keep, micro_batch_size)
         model.set_adapter(agent.adapter)  # also makes only this adapter trainable
@@ -233,6 +240,12 @@ class AgentUpdater:
             if tis_cap > 0:
                 out["tis_clip_frac"] = mismatch["capped"] / mismatch["tokens"]
         return out
+
+    def batch_counts(self, samples: list[TrainSample], kl_coef: float, world: World) -> tuple[float, float, float]:
+        """(sequences, completion tokens, trained sequences) over all ranks: the loss normalisers."""
+        device = next(self.agent.model.parameters()).device
+        tokens = sum(len(s.completion_ids) for s in samples)
+        return tuple(world.sum_floats([len(samples), tokens, len(trained_rows(samples, kl_coef))], device))
 
     def _sum_gradients(self, world: World) -> None:
         """All-reduce this agent's LoRA gradients as one flat buffer (a rank without rows adds zeros)."""
