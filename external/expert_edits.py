@@ -13,6 +13,7 @@ from __future__ import annotations
 import sys
 from typing import Any, Mapping
 
+from magrpo.distributed import is_main_process
 from magrpo.feedback import Branch, FeedbackMode, FEEDBACK
 
 from .expert.cache import open_cache
@@ -111,6 +112,8 @@ class ExpertEdits(FeedbackMode):
         self.expert.check()
         if self.expert.name != "reference":
             self.cfg.expert.model = self.expert.model  # the served model the endpoint picked, for config.json
+        if not is_main_process():  # one start-up line per run, not per torchrun process
+            return
         if self.expert.name == "reference":
             print("magrpo: expert_edits uses the offline reference expert (no external.expert.base_url): its edits "
                   "reveal the dataset's canonical solution when tests fail (README, 'expert_edits')", file=sys.stderr)

@@ -294,8 +294,10 @@ def validate(cfg: TrainConfig) -> None:
             raise ConfigError("backend", f"{cfg.backend!r} runs in one process; with torchrun use backend=hf")
     if t.dist_timeout_min <= 0:
         raise ConfigError("trainer.dist_timeout_min", f"must be > 0, got {t.dist_timeout_min}")
-    main_process = os.environ.get("RANK", "0") == "0"  # only rank 0 reads checkpoints (no shared disk needed)
-    if main_process and cfg.resume is not None and cfg.resume != "auto" and not os.path.isfile(os.path.join(cfg.resume, "COMPLETE")):
+    from .distributed import is_main_process
+
+    # only rank 0 reads checkpoints (other machines need no shared disk)
+    if is_main_process() and cfg.resume is not None and cfg.resume != "auto" and not os.path.isfile(os.path.join(cfg.resume, "COMPLETE")):
         raise ConfigError("resume", f"{cfg.resume!r} is not a complete checkpoint folder (give auto, null or a checkpoints/step_N folder)")
     if cfg.resume == "auto" and not cfg.logging.run_dir:
         raise ConfigError("resume", "auto needs logging.run_dir: the run directory whose checkpoints to continue from")

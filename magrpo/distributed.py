@@ -76,6 +76,11 @@ class World:
             torch.distributed.destroy_process_group()
 
 
+def is_main_process() -> bool:
+    """Rank 0, or no torchrun; usable before the process group exists (start-up messages)."""
+    return os.environ.get("RANK", "0") == "0"
+
+
 def _collective_device() -> torch.device:
     if torch.distributed.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
@@ -100,7 +105,8 @@ def world_from_env(device_setting: str, timeout_min: float) -> World:
 
 def reduce_counters(per_rank: Sequence[dict[str, float]]) -> dict[str, float]:
     """Merge the env's, feedback's and backend's own metric dicts from every rank: integer values are
-    counters and are summed, other numbers are averaged over the ranks that report them."""
+    counters of each rank's own work and are summed; other numbers (rates, and facts every rank
+    shares) are averaged over the ranks that report them."""
     keys = list(dict.fromkeys(k for d in per_rank for k in d))
     out: dict[str, float] = {}
     for key in keys:

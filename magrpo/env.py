@@ -50,7 +50,8 @@ class Environment:
         raise NotImplementedError
 
     def metrics(self) -> dict[str, float]:
-        """Counters the env keeps (cumulative), logged with every step under their own names."""
+        """Counters the env keeps (cumulative), logged with every step under their own names.
+        With torchrun, rank 0 logs the values of all processes: integers are counters and are summed, other numbers are averaged."""
         return {}
 
     def state(self) -> dict[str, Any]:

@@ -54,7 +54,8 @@ class FeedbackMode:
         raise NotImplementedError
 
     def metrics(self) -> dict[str, float]:
-        """Numbers since the last call (reset on read), logged with the step."""
+        """Numbers since the last call (reset on read), logged with the step.
+        With torchrun, rank 0 logs the values of all processes: integers are counters and are summed, other numbers are averaged."""
         return {}
 
 

@@ -188,3 +188,26 @@ def test_an_out_of_memory_on_one_process_is_retried_without_breaking_the_all_red
     assert (run_dir / "rollouts.jsonl").read_bytes() == (single / "rollouts.jsonl").read_bytes()
     for p, q in zip(lora(single, 3)[0], lora(run_dir, 3)[0]):
         torch.testing.assert_close(q, p, atol=1e-6, rtol=0)
+
+
+def test_code_env_and_expert_counters_add_up_over_processes(tmp_path):
+    """The code env with expert_edits (reference expert): its counters (expert calls, sandbox runs)
+    logged by a 2-process run equal the single-process run's, evaluation included."""
+    code = ["model=tiny", "external=expert_edits", "logging.progress=false", "logging.wandb.mode=disabled",
+            "trainer.steps=2", "trainer.batch_size=3", "trainer.num_generations=2", "generation.max_new_tokens=24",
+            "eval.max_problems=3", "eval.num_samples=2", "eval.every=1"]
+    dirs = {}
+    for procs in (1, 2):
+        dirs[procs] = tmp_path / f"code{procs}"
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}"] \
+            if procs > 1 else [sys.executable]
+        proc = subprocess.run([*launcher, "train.py", *code, f"logging.run_dir={dirs[procs]}"], cwd=ROOT,
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert proc.stderr.count("offline reference expert") == 1  # one start-up line, not one per process
+    one, two = metrics(dirs[1]), metrics(dirs[2])
+    assert one[-1]["expert/calls"] > 0
+    for a, b in zip(one, two):
+        for key in a:
+            if key.startswith(("expert/", "env/")) and key != "expert/latency_s":
+                assert b[key] == a[key], (a["step"], key)

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
+from magrpo.distributed import is_main_process
 from magrpo.env import ENVS, Environment, Scored
 
 from .problems import extract_tests, load_problems, parse_signature, prompt_context, wrap_case
@@ -102,7 +103,7 @@ class CodeEnv(Environment):
             self._parsed[record["task_id"]] = (signature, suite, prompt_context(record["prompt"], record["entry_point"]))
             out.append(record)
         self.skipped += len(records) - len(out)
-        if len(out) < len(records):
+        if len(out) < len(records) and is_main_process():
             print(f"code env: skipped {len(records) - len(out)} of {len(records)} {split} problems whose "
                   f"signature or tests could not be parsed", file=sys.stderr)
         return out
@@ -111,7 +112,7 @@ class CodeEnv(Environment):
         return {
             "env/sandbox_runs": self.sandbox_runs,
             "env/sandbox_timeouts": self.timeouts,
-            "env/skipped_problems": self.skipped,
+            "env/skipped_problems": float(self.skipped),  # a float: every process loads the same data (not summed)
             "perf/sandbox_runs_per_s": self.sandbox_runs / self.sandbox_s if self.sandbox_s else 0.0,
         }
 

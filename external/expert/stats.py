@@ -25,4 +25,5 @@ class ExpertStats:
 
     def reset(self) -> None:
         with self._lock:
-            self._counts = dict.fromkeys(KEYS, 0.0)
+            # integer counts: summed over processes under torchrun (floats are averaged)
+            self._counts = {key: 0.0 if key == "latency_s_total" else 0 for key in KEYS}
