@@ -8,20 +8,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${MAGRPO_VENV:-.venv}
 TORCH_SPEC=${MAGRPO_TORCH:-torch==2.13.0}
-PYTHON=${PYTHON:-python3}
 
-[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
-stamp="$VENV/.magrpo-setup"
-want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16) $TORCH_SPEC $(pwd)"
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
-  exit 0  # already set up for this pyproject and this checkout
-fi
+. scripts/venv_lib.sh
+want=$(venv_key "$TORCH_SPEC")
+venv_ready "$VENV" "$want" && exit 0  # already set up for this pyproject and this checkout
 echo "setup: installing into $VENV (torch: $TORCH_SPEC)" >&2
-pip_install() {
-  # pip warns once per missing local index folder on some machines: noise, not a problem.
-  "$VENV/bin/python" -m pip install -q --disable-pip-version-check "$@" 2> >(grep -v "^WARNING: Location 'file:" >&2)
-}
-pip_install "$TORCH_SPEC"
+pip_install "$VENV" "$TORCH_SPEC"
 "$VENV/bin/python" -m pip freeze | grep -iE '^torch(==| @)' > "$VENV/torch-constraint.txt"
-pip_install -c "$VENV/torch-constraint.txt" -e ".[dev]"
-echo "$want" > "$stamp"
+pip_install "$VENV" -c "$VENV/torch-constraint.txt" -e ".[dev]"
+venv_done "$VENV" "$want"
