@@ -67,10 +67,6 @@ class World:
         device = _collective_device()
         return bool(self.sum_(torch.tensor([int(bool(flag))], device=device)).item())
 
-    def barrier(self) -> None:
-        if self.size > 1:
-            torch.distributed.barrier()
-
     def close(self) -> None:
         if self.size > 1 and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
