@@ -2,7 +2,9 @@
 
 A request is one agent's prompt at one node; the backend returns `n` sampled completions for it,
 with their token ids (and sampling log-probs when asked). Backends batch all requests of a call
-together, whatever the agents, nodes and trees they come from.
+together, whatever the agents, nodes and trees they come from. A request's `seed` keys its random
+streams (magrpo.sampling): the HF backend then samples the same completions in any batch; vLLM's
+own sampler ignores it (seeded runs there are not bit-reproducible).
 """
 from __future__ import annotations
 
