@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from . import checkpoint
-from .config import TrainConfig, validate
+from .config import TrainConfig, TrainerConfig, validate
 from .distributed import World, reduce_counters, world_from_env
 from .env import Environment, make_env
 from .evaluation import evaluate
@@ -192,7 +192,7 @@ def _train(cfg: TrainConfig, env: Environment, feedback: Feedback, world: World)
                                     f"or check the rewards; the last checkpoint is intact")
             step_s = time.perf_counter() - start
 
-            # Rank 0 sees the whole batch: every rank's trees, merged as one process would have built them.
+            # Rank 0 sees the whole batch: every rank's trees and numbers.
             parts = world.gather({"rollout": portable(rollout, lo), "tokens": new_tokens,
                                   "mem": peak_memory_gb(backend_device(agents))})
             own = own_metrics(env.metrics(), backend_metrics)
@@ -200,27 +200,18 @@ def _train(cfg: TrainConfig, env: Environment, feedback: Feedback, world: World)
             eval_metrics = run_eval(step) if evaluating else {}
             own.update(own_metrics(feedback.metrics()))  # after evaluation: its expert calls count too
             every = cfg.logging.samples_every
-            samples = every and (step % every == 0 or step == t.steps)
+            sample_trees = every and (step % every == 0 or step == t.steps)
             if world.is_main:
-                whole = merge_rollouts([part["rollout"] for part in parts])
-                zero_std = assign_advantages(whole.nodes, t.discount, t.cross_credit, t.baseline, t.advantage_scale)
-                env_step += sum(len(n.joint) for n in whole.nodes)
-                metrics = _metrics(whole, zero_std, agent_stats, t.num_turns)
-                metrics["train/reward_errors"] = whole.reward_errors
-                metrics.update(own)
-                metrics.update(eval_metrics)
-                metrics.update({
-                    "env_step": env_step, "perf/update_s": update_s, "perf/step_s": step_s,
-                    "perf/tokens_per_s": sum(part["tokens"] for part in parts) / max(whole.timings["gen_s"], 1e-9),
-                    **{f"perf/{k}": v for k, v in whole.timings.items()},
-                    "perf/peak_mem_gb": max(part["mem"] for part in parts),
-                })
+                whole, metrics = _whole_batch_metrics(parts, agent_stats, t)
+                env_step += int(metrics["tree/joint_actions"])
+                metrics.update({**own, **eval_metrics, "env_step": env_step, "perf/update_s": update_s,
+                                "perf/step_s": step_s})
                 writer.log_metrics(step, metrics)
-                if cfg.logging.rollouts or samples:
+                if cfg.logging.rollouts or sample_trees:
                     records = tree_records(step, whole.problems, whole.nodes)
                     if cfg.logging.rollouts:
                         writer.log_trees(records)
-                    if samples:
+                    if sample_trees:
                         writer.log_samples(step, records)
                 bar.update(1)
                 bar.set_postfix(reward=f"{metrics['train/reward_mean']:.3f}", tok_s=f"{metrics['perf/tokens_per_s']:.0f}")
@@ -255,6 +246,21 @@ def _samples_of(rollout: Rollout, agent: int) -> list[TrainSample]:
         for node in rollout.nodes
         for k, c in enumerate(node.completions[agent])
     ]
+
+
+def _whole_batch_metrics(parts: list[dict], agent_stats: list[dict], t: TrainerConfig) -> tuple[Rollout, dict[str, float]]:
+    """Rank 0: every rank's trees merged as one process would have built them, and the step's tree,
+    reward, agent and speed metrics over the whole batch."""
+    whole = merge_rollouts([part["rollout"] for part in parts])
+    zero_std = assign_advantages(whole.nodes, t.discount, t.cross_credit, t.baseline, t.advantage_scale)
+    metrics = _metrics(whole, zero_std, agent_stats, t.num_turns)
+    metrics["train/reward_errors"] = whole.reward_errors
+    metrics.update({
+        "perf/tokens_per_s": sum(part["tokens"] for part in parts) / max(whole.timings["gen_s"], 1e-9),
+        **{f"perf/{k}": v for k, v in whole.timings.items()},
+        "perf/peak_mem_gb": max(part["mem"] for part in parts),  # the fullest process
+    })
+    return whole, metrics
 
 
 def _metrics(rollout: Rollout, zero_std: np.ndarray, agent_stats: list[dict], num_turns: int) -> dict[str, float]:
