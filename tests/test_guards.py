@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import pytest
 
@@ -122,3 +123,24 @@ def _oom_if(condition):
     if condition:
         raise torch.OutOfMemoryError("CUDA out of memory (raised by the test)")
     return None
+
+
+def test_a_signal_finishes_the_step_and_a_later_second_one_stops_at_once():
+    """Ctrl-C under torchrun reaches a process twice at once (terminal + torchrun's forward): that is
+    one request to stop after the step; a second signal seconds later is an impatient user."""
+    import signal
+    import time
+
+    from magrpo.trainer import _StopSignals
+
+    stop = _StopSignals()
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.signal is signal.SIGINT
+        os.kill(os.getpid(), signal.SIGTERM)  # the forwarded copy: ignored
+        assert stop.signal is signal.SIGINT
+        stop.since = time.monotonic() - stop.REPEAT_S - 0.1
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    finally:
+        stop.restore()
