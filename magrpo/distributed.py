@@ -38,11 +38,15 @@ class World:
             torch.distributed.all_reduce(tensor)
         return tensor
 
-    def sum_floats(self, values: Sequence[float], device: torch.device) -> list[float]:
+    def sum_floats(self, values: Sequence[float]) -> list[float]:
         """Element-wise sum of a list of numbers over ranks (float64, one collective)."""
         if self.size == 1:
             return [float(v) for v in values]
-        return self.sum_(torch.tensor(values, dtype=torch.float64, device=device)).tolist()
+        return self.sum_(torch.tensor(values, dtype=torch.float64, device=_collective_device())).tolist()
+
+    def sum_dict(self, values: dict[str, float]) -> dict[str, float]:
+        """The same keys, each value summed over ranks (one collective)."""
+        return dict(zip(values, self.sum_floats(list(values.values()))))
 
     def gather(self, obj: Any) -> list[Any] | None:
         """Every rank's `obj`, in rank order, on rank 0 (None elsewhere)."""
@@ -62,10 +66,7 @@ class World:
 
     def any(self, flag: bool) -> bool:
         """True on every rank when it is true on any rank (e.g. a signal that reached one process)."""
-        if self.size == 1:
-            return bool(flag)
-        device = _collective_device()
-        return bool(self.sum_(torch.tensor([int(bool(flag))], device=device)).item())
+        return self.sum_floats([float(bool(flag))])[0] > 0
 
     def close(self) -> None:
         if self.size > 1 and torch.distributed.is_initialized():

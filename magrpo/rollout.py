@@ -194,13 +194,11 @@ def merge_rollouts(parts: Sequence[Rollout]) -> Rollout:
 
 
 def assign_advantages(nodes: list[Node], discount: float, cross_credit: str, baseline: str, scale: str) -> np.ndarray:
-    """Fill node.returns and node.advantages; returns the (nodes, N) zero-variance-group mask."""
+    """Fill node.returns, node.advantages and node.zero_std; returns the (nodes, N) zero-variance-group mask."""
     returns = tree_returns([node.rewards for node in nodes], [node.children for node in nodes], discount)
-    zero = []
     for node, g in zip(nodes, returns):
         node.returns = g
         k = len(node.completions[0])
         values = agent_credit(node.joint, g, k, cross_credit)  # (N, K)
-        node.advantages, zero_std = group_advantages(values, baseline, scale)
-        zero.append(zero_std)
-    return np.array(zero)
+        node.advantages, node.zero_std = group_advantages(values, baseline, scale)
+    return np.array([node.zero_std for node in nodes])

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from . import checkpoint
-from .config import TrainConfig, TrainerConfig, validate
+from .config import TrainConfig, validate
 from .distributed import World, reduce_counters, world_from_env
 from .env import Environment, make_env
 from .evaluation import evaluate
@@ -202,7 +202,7 @@ def _train(cfg: TrainConfig, env: Environment, feedback: Feedback, world: World)
             every = cfg.logging.samples_every
             sample_trees = every and (step % every == 0 or step == t.steps)
             if world.is_main:
-                whole, metrics = _whole_batch_metrics(parts, agent_stats, t)
+                whole, metrics = _whole_batch_metrics(parts, agent_stats, t.num_turns)
                 env_step += int(metrics["tree/joint_actions"])
                 metrics.update({**own, **eval_metrics, "env_step": env_step, "perf/update_s": update_s,
                                 "perf/step_s": step_s})
@@ -248,12 +248,11 @@ def _samples_of(rollout: Rollout, agent: int) -> list[TrainSample]:
     ]
 
 
-def _whole_batch_metrics(parts: list[dict], agent_stats: list[dict], t: TrainerConfig) -> tuple[Rollout, dict[str, float]]:
+def _whole_batch_metrics(parts: list[dict], agent_stats: list[dict], num_turns: int) -> tuple[Rollout, dict[str, float]]:
     """Rank 0: every rank's trees merged as one process would have built them, and the step's tree,
     reward, agent and speed metrics over the whole batch."""
-    whole = merge_rollouts([part["rollout"] for part in parts])
-    zero_std = assign_advantages(whole.nodes, t.discount, t.cross_credit, t.baseline, t.advantage_scale)
-    metrics = _metrics(whole, zero_std, agent_stats, t.num_turns)
+    whole = merge_rollouts([part["rollout"] for part in parts])  # nodes keep the advantages their rank gave them
+    metrics = _metrics(whole, agent_stats, num_turns)
     metrics["train/reward_errors"] = whole.reward_errors
     metrics.update({
         "perf/tokens_per_s": sum(part["tokens"] for part in parts) / max(whole.timings["gen_s"], 1e-9),
@@ -263,8 +262,9 @@ def _whole_batch_metrics(parts: list[dict], agent_stats: list[dict], t: TrainerC
     return whole, metrics
 
 
-def _metrics(rollout: Rollout, zero_std: np.ndarray, agent_stats: list[dict], num_turns: int) -> dict[str, float]:
+def _metrics(rollout: Rollout, agent_stats: list[dict], num_turns: int) -> dict[str, float]:
     nodes = rollout.nodes
+    zero_std = np.array([n.zero_std for n in nodes])  # (nodes, N)
     out: dict[str, float] = {
         "train/reward_mean": float(np.mean([n.rewards.mean() for n in nodes if n.turn == 0])),
         "tree/nodes": len(nodes),

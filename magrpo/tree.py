@@ -59,6 +59,7 @@ class Node:
     children: list[int | None] = field(default_factory=list)  # (J,) child node id or None (leaf)
     returns: np.ndarray | None = None  # (J,)
     advantages: np.ndarray | None = None  # (N, K)
+    zero_std: np.ndarray | None = None  # (N,) bool: the agent's group at this node had no reward variance
     stream: int | None = None  # random-stream key of this node (from the run seed, step, tree and path)
 
 

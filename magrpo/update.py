@@ -216,11 +216,8 @@ class AgentUpdater:
         lr = self.scheduler.get_last_lr()[0]
         if not skipped:  # the schedule counts updates that happened
             self.scheduler.step()
-        names = ["loss", "clipped_tokens", "kl_sum", "entropy_sum"]
-        summed = dict(zip(names + [f"mismatch_{k}" for k in mismatch] + ["trained_tokens", "trained_seqs"],
-                          world.sum_floats([totals[k] for k in names] + list(mismatch.values())
-                                           + [int(lengths[keep].sum()) if keep else 0, len(keep)], device)))
-        mismatch = {k: summed[f"mismatch_{k}"] for k in mismatch}
+        totals.update(trained_tokens=float(lengths[keep].sum()), trained_seqs=float(len(keep)))
+        summed, mismatch = world.sum_dict(totals), world.sum_dict(mismatch)
         tokens = max(1.0, summed["trained_tokens"])
         out = {
             "loss": summed["loss"],
@@ -243,9 +240,8 @@ class AgentUpdater:
 
     def batch_counts(self, samples: list[TrainSample], kl_coef: float, world: World) -> tuple[float, float, float]:
         """(sequences, completion tokens, trained sequences) over all ranks: the loss normalisers."""
-        device = next(self.agent.model.parameters()).device
         tokens = sum(len(s.completion_ids) for s in samples)
-        return tuple(world.sum_floats([len(samples), tokens, len(trained_rows(samples, kl_coef))], device))
+        return tuple(world.sum_floats([len(samples), tokens, len(trained_rows(samples, kl_coef))]))
 
     def _sum_gradients(self, world: World) -> None:
         """All-reduce this agent's LoRA gradients as one flat buffer (a rank without rows adds zeros)."""
