@@ -85,7 +85,7 @@ def read(path: Path, agents: Sequence[Any], updaters: Sequence[Any]) -> dict[str
     for part, updater in zip(parts, updaters):
         if len(part["params"]) != len(updater.params):
             raise ValueError(f"{path}: {len(part['params'])} adapter tensors, the model has {len(updater.params)}")
-    return {"trainer": trainer_state, "agents": parts, "path": str(path)}
+    return {"trainer": trainer_state, "agents": parts}
 
 
 def apply(contents: dict[str, Any], updaters: Sequence[Any]) -> dict[str, Any]:

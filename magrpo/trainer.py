@@ -192,8 +192,8 @@ def _train(cfg: TrainConfig, env: Environment, feedback: Feedback, world: World)
                                     f"or check the rewards; the last checkpoint is intact")
             step_s = time.perf_counter() - start
 
-            # Rank 0 sees the whole batch: every rank's trees and numbers.
-            parts = world.gather({"rollout": portable(rollout, lo), "tokens": new_tokens,
+            # Rank 0 sees the whole batch: every rank's trees (slimmed for sending) and numbers.
+            parts = world.gather({"rollout": portable(rollout, lo) if world.size > 1 else rollout, "tokens": new_tokens,
                                   "mem": peak_memory_gb(backend_device(agents))})
             own = own_metrics(env.metrics(), backend_metrics)
             evaluating = (cfg.eval.every and step % cfg.eval.every == 0) or (cfg.eval.at_end and step == t.steps)
