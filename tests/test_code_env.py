@@ -97,3 +97,49 @@ def test_unknown_reward_key_is_a_config_error(make_cfg):
     cfg = make_cfg("env=code", "+env.reward.bonus=1")
     with pytest.raises(ConfigError, match=r"env\.reward\.bonus: unknown key .* allowed: aux_defined"):
         make_env(cfg.env)
+
+
+def test_all_164_canonical_solutions_pass_through_the_sandbox_and_the_judge(monkeypatch):
+    """Case semantics kept end to end (candidate process + judge process + plain data): every shipped
+    canonical solution passes all its cases, a stub passes none, and no case is unsupported."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    env = CodeEnv(CodeEnv.Config(num_agents=1, train_split="test", eval_split="test[:1]"))
+    problems = env.problems("train")
+    assert len(problems) == 164 and env.unsupported == 0
+    canonical = [[p["prompt"] + p["canonical_solution"]] for p in problems]
+    stubs = [[f"def {p['entry_point']}(*args, **kwargs):\n    return None\n"] for p in problems]
+    scored = env.score(problems + problems, canonical + stubs)
+    failing = [(p["task_id"], s.context["first_failure"]) for p, s in zip(problems, scored[:164])
+               if s.outcomes["passed"] != 1.0]
+    assert failing == []
+    assert all(s.outcomes["passed"] == 0.0 for s in scored[164:])  # (some cases expect None)
+    assert env.metrics()["env/unsupported_cases"] == 0
+
+
+# The env keeps only the functions of a completion (and the prompt's imports): attacks live inside them.
+HOSTILE_MAINS = {
+    "always_equal": "def truncate_number(number):\n    class Yes:\n        __eq__ = lambda self, other: True\n"
+                    "        __sub__ = lambda self, other: self\n        __abs__ = lambda self: 0.0\n    return Yes()\n",
+    "bytecode_peek": "def truncate_number(number):\n    import sys\n"
+                     "    consts = list(sys._getframe(1).f_code.co_consts)\n    return consts[consts.index(number) + 1]\n",
+    "mutate_cases": "def truncate_number(number, _=__import__('sys')._getframe(1).f_locals['cases'].__setitem__(\n"
+                    "        slice(None), ['pass'] * 3)):\n    return 0.0\n",
+    "forge_via_frames": "def truncate_number(number):\n    import os, sys\n    frame = sys._getframe()\n"
+                        "    while frame is not None:\n        loc = frame.f_locals\n"
+                        "        if 'token' in loc and 'fd' in loc:\n            for i in range(len(loc['cases'])):\n"
+                        "                os.write(loc['fd'], loc['token'] + b' case %d 1 \\n' % i)\n"
+                        "        frame = frame.f_back\n    return None\n",
+}
+
+
+def test_hostile_programs_score_at_the_no_test_passed_level_through_the_env(truncate_env):
+    """HumanEval/2 (truncate_number): aux defined, main defined, parses, and no test passes:
+    0.4 + 0.6 + 0.5 = 1.5 and no aux bonus; pass@1 is 0."""
+    from magrpo.evaluation import pass_at_k
+
+    aux = "def aux(x):\n    return x\n"
+    problem = truncate_env.problems("train")[0]
+    scored = truncate_env.score([problem] * len(HOSTILE_MAINS), [[aux, main] for main in HOSTILE_MAINS.values()])
+    for name, s in zip(HOSTILE_MAINS, scored):
+        assert s.context["passed"] == 0 and s.reward == pytest.approx(1.5), (name, s.context["first_failure"])
+    assert pass_at_k(len(scored), int(sum(s.outcomes["passed"] for s in scored)), 1) == 0.0

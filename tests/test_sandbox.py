@@ -14,6 +14,7 @@ from envs.code.sandbox import Program, SandboxLimits, run_many, run_program
 ROOT = os.geteuid() == 0
 FAST = SandboxLimits(timeout_s=2.0, cpu_s=2, memory_mb=512, max_processes=32, output_bytes=10_000)
 CASES = ["assert candidate(1) == 2", "assert candidate(2) == 3"]
+NAMESPACES = run_program(Program("def f():\n    return 1\n", "", ["assert candidate() == 1"], "f")).isolation == "namespaces"
 
 
 def prog(code: str, cases: list[str] = CASES, preamble: str = "", entry_point: str = "f") -> Program:
@@ -38,11 +39,13 @@ def test_multiline_cases_preamble_and_candidate_binding():
     cases = [
         "assert close(\n    candidate(2.0),\n    math.sqrt(2.0),\n)",
         "for x in (1, 4, 9):\n    assert close(candidate(x), x ** 0.5)",
-        "assert candidate is root",
+        "assert list(map(candidate, [4.0])) == [2.0]",  # a proxy can be passed to a call
+        "assert candidate is root",  # not through a proxy: refused, never guessed
     ]
     code = "from math import sqrt\ndef root(x):\n    print('computing', x)\n    return sqrt(x)\n"
     result = run_program(prog(code, cases, preamble, entry_point="root"), FAST)
-    assert result.passed == 3, result
+    assert [c.passed for c in result.cases] == [True, True, True, False], result
+    assert result.cases[3].error.startswith("unsupported case: `candidate` used other than by calling it")
     assert "computing 2.0" in result.stdout
 
 
@@ -66,12 +69,15 @@ def test_cases_reported_before_a_crash_keep_their_result():
 
 def test_environment_and_workdir_are_private(monkeypatch):
     monkeypatch.setenv("MAGRPO_SANDBOX_SECRET", "hunter2")
-    code = ("import os\ndef f(x):\n    print(os.getcwd())\n    open('scratch.txt', 'w').write('ok')\n"
+    code = ("import os\ndef f(x):\n    print(os.getcwd())\n    open('magrpo-scratch.txt', 'w').write('ok')\n"
             "    return 'MAGRPO_SANDBOX_SECRET' not in os.environ\n")
     result = run_program(prog(code, ["assert candidate(0)"]), FAST)
     assert result.passed == 1, result
     workdir = Path(result.stdout.split()[0])
-    assert workdir.name.startswith("magrpo-sandbox-") and not workdir.exists()
+    if NAMESPACES:  # its own tmpfs /tmp, gone with it
+        assert workdir == Path("/tmp") and not (workdir / "magrpo-scratch.txt").exists()
+    else:
+        assert workdir.name.startswith("magrpo-sandbox-") and not workdir.exists()
 
 
 @pytest.mark.skipif(not ROOT, reason="the uid switch happens only when the trainer runs as root")
@@ -100,6 +106,14 @@ def test_run_many_keeps_order_and_runs_in_parallel():
     assert [r.passed for r in results] == [1, 1, 1, 1, 0]
 
 
+# Walks the frames up from `frame`: where the grader keeps its token and report fd, writes a pass
+# line for every case and a done line (what the old in-process runner read as its verdict).
+FORGE_FROM_FRAME = ("    loc = frame.f_locals\n    if 'token' in loc and 'fd' in loc:\n"
+                    "        tok, fd = loc['token'], loc['fd']\n        for i in range(len(loc['cases'])):\n"
+                    "            os.write(fd, tok + b' case %d 1 \\n' % i)\n        os.write(fd, tok + b' done \\n')\n"
+                    "        break\n    frame = frame.f_back\n")
+
+
 def hostile_corpus(target: Path) -> dict[str, tuple[str, bool]]:
     """name -> (code, needs root). Each `f` returns the right answer only if its attack did not stop it,
     or a wrong one where the attack itself is the point (forging, escaping, flooding)."""
@@ -124,6 +138,9 @@ def hostile_corpus(target: Path) -> dict[str, tuple[str, bool]]:
                           "        time.sleep(100)\n    return None\n", True),
         "setsid_escape_then_crash": ("import os, time\ndef f(x):\n    if os.fork() == 0:\n        os.setsid()\n"
                                      "        time.sleep(100)\n    os._exit(0)\n", True),
+        "daemon_ignoring_sigterm": ("import os, signal, time\ndef f(x):\n    if os.fork() == 0:\n        os.setsid()\n"
+                                    "        signal.signal(signal.SIGTERM, signal.SIG_IGN)\n        if os.fork() == 0:\n"
+                                    "            time.sleep(100)\n        os._exit(0)\n    return None\n", True),
         "sys_exit_at_import": ("import sys\nsys.exit(0)\ndef f(x):\n" + ok, False),
         "os_exit_at_import": ("import os\nos._exit(0)\ndef f(x):\n" + ok, False),
         "sys_exit_in_function": ("import sys\ndef f(x):\n    sys.exit(0)\n", False),
@@ -135,7 +152,7 @@ def hostile_corpus(target: Path) -> dict[str, tuple[str, bool]]:
         "socket_to_localhost": ("import socket\ndef f(x):\n    s = socket.socket()\n    s.connect(('127.0.0.1', 22))\n"
                                 "    s.recv(1)\n    return None\n", False),
         "print_50mb": ("def f(x):\n    print('x' * 50_000_000)\n    return None\n", False),
-        "kill_parent": ("import os, signal\ndef f(x):\n    os.kill(os.getppid(), signal.SIGKILL)\n" + ok, True),
+        "kill_parent": ("import os, signal\ndef f(x):\n    os.kill(os.getppid(), signal.SIGKILL)\n    return None\n", True),
         "kill_everything": ("import os, signal\ndef f(x):\n    os.kill(-1, signal.SIGKILL)\n    return None\n", True),
         "forge_report": ("import os\ndef f(x):\n    print(%r)\n    for fd in range(0, 64):\n        try:\n"
                          "            os.write(fd, b'case 0 1\\ncase 1 1\\ndone\\n' + %r.encode() + b'\\n')\n"
@@ -145,7 +162,60 @@ def hostile_corpus(target: Path) -> dict[str, tuple[str, bool]]:
                            "builtins.enumerate = lambda xs, start=0: [(i, 'pass') for i in range(len(xs))]\n"
                            "def f(x):\n    return None\n", False),
         "close_all_fds": ("import os\ndef f(x):\n    os.closerange(3, 1024)\n" + ok, False),
+        # --- the grader's own channel, state and code, reached from inside the graded process
+        "forge_via_frames": ("import os, sys\nframe = sys._getframe()\nwhile frame is not None:\n" + FORGE_FROM_FRAME
+                             + "def f(x):\n    return None\n", False),
+        "forge_via_gc": ("import gc, os\nfor o in gc.get_objects():\n    if isinstance(o, dict) and 'report_fd' in o:\n"
+                         "        tok, fd = o['token'].encode(), o['report_fd']\n"
+                         "        for i in range(len(o['cases'])):\n            os.write(fd, tok + b' case %d 1 \\n' % i)\n"
+                         "        os.write(fd, tok + b' done \\n')\ndef f(x):\n    return None\n", False),
+        "forge_via_sys_current_frames": ("import os, sys\nframe = list(sys._current_frames().values())[0]\n"
+                                         "while frame is not None:\n" + FORGE_FROM_FRAME
+                                         + "def f(x):\n    return None\n", False),
+        "forge_into_every_fd": ("import gc, os\ntok = [o['token'] for o in gc.get_objects() if isinstance(o, dict) and "
+                                "'token' in o][:1]\nline = ((tok[0] if tok else 'x') + ' case 0 1 \\n').encode()\n"
+                                "for fd in range(3, 256):\n    try:\n        os.write(fd, line * 2)\n"
+                                "    except OSError:\n        pass\ndef f(x):\n    return None\n", False),
+        "mutate_cases_default_arg": ("import sys\ndef f(x, _=sys._getframe(1).f_locals['cases'].__setitem__(\n"
+                                     "        slice(None), ['pass'] * len(sys._getframe(1).f_locals['cases']))):\n"
+                                     "    return None\n", False),
+        "bytecode_peek": ("import sys\ndef f(x):\n    consts = sys._getframe(1).f_code.co_consts\n"
+                          "    ints = [c for c in consts if type(c) is int and c != x]\n"
+                          "    return ints[-1] if ints else None\n", False),
+        "always_equal": ("class Yes:\n    def __eq__(self, other):\n        return True\n"
+                         "    def __ne__(self, other):\n        return False\n    __hash__ = object.__hash__\n"
+                         "def f(x):\n    return Yes()\n", False),
+        "truthy_comparison": ("class T:\n    def __eq__(self, other):\n        return [1]\n"
+                              "def f(x):\n    return T()\n", False),
+        "int_subclass": ("class I(int):\n    def __eq__(self, other):\n        return True\n    __hash__ = int.__hash__\n"
+                         "def f(x):\n    return I(0)\n", False),
+        "raising_repr": ("class R:\n    def __eq__(self, other):\n        return True\n"
+                         "    def __repr__(self):\n        raise RuntimeError('no repr')\n"
+                         "def f(x):\n    return R()\n", False),
+        "generator_return": ("def f(x):\n    yield x + 1\n", False),
+        "function_return": ("def f(x):\n    return lambda *a: x + 1\n", False),
+        "huge_return": ("def f(x):\n    return 'x' * (40 * 2 ** 20)\n", False),
+        "garbage_on_reply_channel": ("import os, sys\ndef f(x):\n    fd = sys._getframe(1).f_locals.get('reply_fd')\n"
+                                     "    if fd is not None:\n        os.write(fd, b'\\xff\\xff\\xff\\xff' + b'x' * 64)\n"
+                                     "    return None\n", False),
+        "tmp_leftovers": ("import os\ndef f(x):\n    open('/tmp/magrpo-hostile-leftover', 'w').write('x')\n"
+                          "    os.makedirs('/dev/shm/magrpo-hostile-leftover', exist_ok=True)\n    return None\n", True),
     }
+
+
+STOP_ITERATION = ("def f(x):\n    raise StopIteration\n", ["assert all(map(candidate, [1, 2]))"])
+
+
+def _readers() -> dict[str, str]:
+    """Programs that can answer only if they can read what must be hidden: the dataset, the checkout,
+    the trainer's site-packages."""
+    here = Path(__file__).resolve().parent.parent
+    site = next(p for p in __import__("sys").path if p.endswith("site-packages"))
+    paths = {"read_dataset": here / "envs" / "code" / "data" / "HumanEval.jsonl.gz",
+             "read_checkout": here / "magrpo" / "trainer.py", "read_site_packages": Path(site)}
+    return {name: (f"import os\ndef f(x):\n    p = {str(path)!r}\n"
+                   f"    (os.listdir(p) if os.path.isdir(p) else open(p, 'rb').read(1))\n" + "    return x + 1\n")
+            for name, path in paths.items()}
 
 
 def leftovers() -> list[str]:
@@ -166,35 +236,48 @@ def leftovers() -> list[str]:
 
 def test_hostile_programs_are_contained(tmp_path):
     target = tmp_path / "escaped.txt"
-    corpus = {name: code for name, (code, needs_root) in hostile_corpus(target).items() if ROOT or not needs_root}
-    assert len(corpus) >= 14
+    corpus = {name: prog(code) for name, (code, needs_root) in hostile_corpus(target).items() if ROOT or not needs_root}
+    if NAMESPACES:  # hidden only where the sandbox could make its own mount namespace
+        corpus.update({name: prog(code) for name, code in _readers().items()})
+    corpus["stop_iteration_through_map"] = prog(*STOP_ITERATION)
+    assert len(corpus) >= (30 if ROOT else 14)
     began = time.monotonic()
-    results = dict(zip(corpus, run_many([prog(code) for code in corpus.values()], FAST, workers=2)))
-    tried = 0
+    results = dict(zip(corpus, run_many(list(corpus.values()), FAST, workers=2)))
     for name, result in results.items():
         assert result.passed == 0, (name, result)
         assert result.duration_s < FAST.timeout_s + 2, (name, result.duration_s)
         assert len(result.stdout) <= FAST.output_bytes and len(result.stderr) <= FAST.output_bytes, name
-        tried += 1
-    assert tried == len(corpus)
     assert results["infinite_loop"].timed_out
     assert all(results[n].crashed for n in ("os_exit_at_import", "os_exit_in_function", "c_stack_overflow"))
     assert not any(results[n].crashed for n in ("fork_bomb", "setsid_escape", "kill_everything", "forge_report")
                    if n in results)
     for name in ("sys_exit_at_import", "sys_exit_in_function", "raise_system_exit", "raise_keyboard_interrupt"):
         assert not results[name].crashed
-        assert results[name].cases[0].error.split(":")[0] in ("SystemExit", "KeyboardInterrupt"), name
+        error = results[name].cases[0].error  # in a call: re-raised in the judge as CandidateError
+        assert error.removeprefix("CandidateError: ").split(":")[0] in ("SystemExit", "KeyboardInterrupt"), name
     assert "BlockingIOError" in results["fork_bomb"].cases[0].error  # RLIMIT_NPROC held, even as root
     assert all("MemoryError" in c.error for n in ("memory_bomb_bytes", "memory_bomb_list") for c in results[n].cases)
     assert results["print_50mb"].stdout.startswith("xxx") and not results["print_50mb"].timed_out
     assert "File too large" in results["fill_disk"].cases[0].error
+    # Values that are not plain data fail with a message saying so; they never reach a comparison.
+    for name, kind in (("always_equal", "Yes"), ("truthy_comparison", "T"), ("raising_repr", "R"),
+                       ("int_subclass", "I (a subclass of int)"), ("generator_return", "generator"),
+                       ("function_return", "function")):
+        assert results[name].cases[0].error == f"f returned a value of type {kind}, which is not plain data", name
+    assert "bytes (more than" in results["huge_return"].cases[0].error
+    assert results["garbage_on_reply_channel"].cases[0].error.startswith("bad reply from the candidate")
+    assert results["stop_iteration_through_map"].cases[0].error == "CandidateError: StopIteration"
+    if NAMESPACES:
+        for name in _readers():
+            assert "FileNotFoundError" in results[name].cases[0].error, (name, results[name].cases[0])
     if ROOT:  # not root, all runs share the trainer's uid and its process budget: they cannot fork here
         assert results["subprocess_sleep"].timed_out and "hi" in results["os_system"].stdout
         assert not target.exists()
-        assert "PermissionError" in results["kill_parent"].cases[0].error
+        assert not Path("/tmp/magrpo-hostile-leftover").exists()
+        assert not Path("/dev/shm/magrpo-hostile-leftover").exists()
     deadline = time.monotonic() + 3  # SIGKILLed processes may take a moment to go
     while leftovers() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert leftovers() == []
     os.kill(os.getpid(), 0)  # still here
-    assert time.monotonic() - began < 30
+    assert time.monotonic() - began < 40

@@ -10,6 +10,7 @@ from typing import Any, Mapping, Sequence
 from magrpo.distributed import is_main_process
 from magrpo.env import ENVS, Environment, Scored
 
+from .judge import unsupported_reason
 from .problems import extract_tests, load_problems, parse_signature, prompt_context, wrap_case
 from .reward import Analysis, RewardWeights, analyze, score, strip_fences, syntax_error
 from .sandbox import Program, RunResult, SandboxLimits, run_many
@@ -77,6 +78,7 @@ class CodeEnv(Environment):
         self.timeouts = 0
         self.sandbox_s = 0.0
         self.skipped = 0
+        self.unsupported = 0  # test cases the judge cannot run through proxies (they fail closed)
         self._splits: dict[str, list[dict]] = {}
         self._parsed: dict[str, tuple] = {}  # task_id -> (Signature, TestSuite, prompt context)
 
@@ -101,11 +103,16 @@ class CodeEnv(Environment):
             except ValueError:
                 continue
             self._parsed[record["task_id"]] = (signature, suite, prompt_context(record["prompt"], record["entry_point"]))
+            self.unsupported += sum(unsupported_reason(case, {"candidate", record["entry_point"]}) is not None
+                                    for case in suite.cases)
             out.append(record)
         self.skipped += len(records) - len(out)
         if len(out) < len(records) and is_main_process():
             print(f"code env: skipped {len(records) - len(out)} of {len(records)} {split} problems whose "
                   f"signature or tests could not be parsed", file=sys.stderr)
+        if self.unsupported and is_main_process():
+            print(f"code env: {self.unsupported} test case(s) use the candidate other than by calling it; "
+                  f"the judge fails them (env/unsupported_cases)", file=sys.stderr)
         return out
 
     def metrics(self) -> dict[str, float]:
@@ -113,6 +120,7 @@ class CodeEnv(Environment):
             "env/sandbox_runs": self.sandbox_runs,
             "env/sandbox_timeouts": self.timeouts,
             "env/skipped_problems": float(self.skipped),  # a float: every process loads the same data (not summed)
+            "env/unsupported_cases": float(self.unsupported),
             "perf/sandbox_runs_per_s": self.sandbox_runs / self.sandbox_s if self.sandbox_s else 0.0,
         }
 
@@ -212,6 +220,7 @@ class CodeEnv(Environment):
     def _program(self, problem: Mapping[str, Any], program: str) -> Program:
         suite = self._parsed[problem["task_id"]][1]
         entry = problem["entry_point"]
-        # The test preamble (imports, helpers, constants) runs first, as HumanEval runs the prompt first.
-        return Program(code=f"{suite.preamble}\n\n{program}\n", preamble="",
+        # The program already starts with the prompt's imports and helpers; the test preamble (the
+        # prompt's code again, plus the test's own module level) runs in the judge only.
+        return Program(code=f"{program}\n", preamble=suite.preamble,
                        cases=[wrap_case(case, entry) for case in suite.cases], entry_point=entry)

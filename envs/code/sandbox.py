@@ -1,179 +1,44 @@
-"""Run untrusted, model-written Python programs against test cases, each in its own confined process.
+"""Grade untrusted, model-written Python programs against test cases: the verdict is decided outside
+the program being graded.
 
-Every run is `python -I sandbox.py --run-job JOB` in a fresh temp dir, a new session (so the whole
-process group can be SIGKILLed), a minimal environment and stdin on /dev/null. This file is also
-that runner: the child executes only the top part below, before the trainer-side imports, which
-halves its start-up time. The runner applies the limits itself, before any user code, rather
-than in a `preexec_fn`: preexec is unsafe in a multi-threaded parent (the trainer, `run_many`).
-
-Containment as root (the usual case in training containers):
-* RLIMIT_NPROC is not enforced for uid 0, so the runner switches to a random unused uid of its
-  own, where the process limit holds. That uid cannot write the trainer's files or signal the
-  trainer, and after the tests the runner SIGKILLs every process of that uid (`kill(-1)`), including
-  ones that left the process group with setsid; if it never gets there (crash, timeout), the
-  trainer sweeps /proc for that uid.
-* The interpreter may sit where that uid cannot reach it (a venv under /root, mode 0700), so the
-  runner opens the import directories while still root and imports through /proc/self/fd/N.
-* A fresh network namespace (best effort): no network at all, not even loopback.
-Not root: same rlimits, same uid as the trainer; a program could then signal the trainer or write
-its files. Results come back on a private pipe, one line per case tagged with a random token, so
-printing a fake report to stdout (or to a guessed fd without the token) does not pass any case.
+Two processes per program, and the driver here in the trainer:
+* the candidate process (`candidate.py`) runs the program, confined (namespaces, a filesystem view
+  of the OS only, its own uid and rlimits as root; see that file). It answers calls with plain
+  data and never sees a test.
+* a judge process (`judge.py`, warm, one per worker thread, a fresh fork per program) runs the test
+  preamble and the cases with `candidate` bound to proxies that call into the candidate process.
+  It alone decides pass/fail, and reports on a socket the candidate cannot reach.
+The driver (this file) starts the candidate with its two pipe ends, hands the other two ends to a
+judge, collects the verdict, caps the candidate's stdout/stderr (never parsed), enforces the
+wall-clock timeout, and kills whatever the candidate left: with a PID namespace by killing its PID 1,
+otherwise every process of its uid.
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import secrets
+import selectors
+import shutil
+import signal
+import socket
+import subprocess
 import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Sequence
 
-ERROR_CHARS = 300
-NETNS = 0x40000000  # CLONE_NEWNET
+from . import wire
 
-
-def _describe(exc: BaseException) -> str:
-    """'Type: message', first line only, short: it travels on a one-line-per-case channel."""
-    try:
-        message = str(exc)
-    except BaseException:  # a user exception whose __str__ raises
-        message = "<unprintable>"
-    text = type(exc).__name__ + (f": {message}" if message else "")
-    return text.split("\n", 1)[0][:ERROR_CHARS]
-
-
-def _reroot_imports() -> None:
-    """Import through fds opened while root: after the uid switch only the final directories'
-    permissions then matter (stdlib, site-packages: world-readable), not a 0700 /root above them."""
-    moved: dict[str, str] = {}
-    for entry in sys.path:
-        try:
-            moved[entry] = f"/proc/self/fd/{os.open(entry, os.O_RDONLY | os.O_DIRECTORY)}"
-        except OSError:
-            continue
-
-    def reroot(path: str) -> str:
-        for old, new in moved.items():
-            if path == old or path.startswith(old + os.sep):
-                return new + path[len(old):]
-        return path
-
-    sys.path[:] = list(moved.values())
-    for module in list(sys.modules.values()):  # already imported packages find submodules on __path__
-        if isinstance(getattr(module, "__path__", None), list):
-            module.__path__[:] = [reroot(p) for p in module.__path__]
-    sys.path_importer_cache.clear()
-
-
-def _confine(limits: dict, uid: int | None) -> None:
-    import resource
-
-    mb = 1 << 20
-    for name, value in (("CORE", 0), ("CPU", limits["cpu_s"]), ("FSIZE", limits["file_size_mb"] * mb),
-                        ("NPROC", limits["max_processes"]), ("AS", limits["memory_mb"] * mb)):
-        which = getattr(resource, f"RLIMIT_{name}")
-        hard = resource.getrlimit(which)[1]  # not root: we can only lower, never raise, a hard limit
-        value = value if hard == resource.RLIM_INFINITY else min(value, hard)
-        resource.setrlimit(which, (value, value))
-    try:  # no cgroup caps the sum over processes: if memory runs out, the OOM killer takes us first
-        with open("/proc/self/oom_score_adj", "w") as f:
-            f.write("1000")
-    except OSError:
-        pass
-    if uid is None:
-        return
-    os.chown(".", uid, uid)
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).unshare(NETNS)  # best effort: fails without CAP_SYS_ADMIN
-    except (OSError, AttributeError):
-        pass
-    _reroot_imports()
-    os.setgroups([])
-    os.setresgid(uid, uid, uid)
-    os.setresuid(uid, uid, uid)  # drops every capability too: RLIMIT_NPROC applies from here on
-    if uid <= 0 or os.getresuid() != (uid, uid, uid):  # (uid_t)-1 would mean "unchanged": still root
-        raise PermissionError(f"could not switch to uid {uid}")
-
-
-def _runner_main(job_path: str) -> None:
-    # Bind what we use once user code has run: it may monkeypatch modules and builtins (a patched
-    # `enumerate` could otherwise swap every case for `pass`).
-    write, kill, getpid, exit_, compile_, exec_, enumerate_, describe = (
-        os.write, os.kill, os.getpid, os._exit, compile, exec, enumerate, _describe)
-    streams = (sys.stdout, sys.stderr)
-    with open(job_path) as f:
-        job = json.load(f)
-    os.unlink(job_path)
-    token, fd, cases, uid, me = job["token"].encode(), job["report_fd"], job["cases"], job["uid"], getpid()
-    os.set_inheritable(fd, False)  # exec'd children (os.system) do not get the report channel
-
-    def report(kind: bytes, rest: bytes = b"") -> None:
-        write(fd, b"%s %s %s\n" % (token, kind, rest))
-
-    try:
-        _confine(job["limits"], uid)
-    except Exception as e:  # never run user code with fewer restrictions than asked for
-        report(b"setup", describe(e).encode("utf-8", "replace"))
-        exit_(3)
-
-    namespace: dict = {"__name__": "solution"}
-    error = None
-    for name, source in (("code", job["code"]), ("preamble", job["preamble"])):
-        try:
-            exec_(compile_(source, f"<{name}>", "exec", dont_inherit=True, optimize=0), namespace)
-        except BaseException as e:  # SystemExit / KeyboardInterrupt too: a definition failure
-            error = describe(e) if name == "code" else f"preamble: {describe(e)}"
-        if getpid() != me:  # a forked copy of this runner: only the original reports
-            exit_(0)
-        if error:
-            break
-    if error is None and job["entry_point"] not in namespace:
-        error = f"NameError: entry point {job['entry_point']!r} is not defined"
-    if error is None:
-        namespace["candidate"] = namespace[job["entry_point"]]
-    for i, case in enumerate_(cases):
-        if error is None:
-            try:
-                exec_(compile_(case, f"<case {i}>", "exec", dont_inherit=True, optimize=0), namespace)
-                ok, msg = 1, ""
-            except BaseException as e:
-                ok, msg = 0, describe(e)
-            if getpid() != me:
-                exit_(0)
-        else:
-            ok, msg = 0, error
-        report(b"case", b"%d %d %s" % (i, ok, msg.encode("utf-8", "replace")))
-    for stream in streams:  # user prints still sitting in the buffers
-        try:
-            stream.flush()
-        except BaseException:
-            pass
-    if uid is not None:
-        try:
-            kill(-1, 9)  # every other process of this run's uid, escaped from the group or not
-        except OSError:
-            pass
-    report(b"done")
-    exit_(0)  # skip atexit hooks and user threads
-
-
-if __name__ == "__main__" and sys.argv[1:2] == ["--run-job"]:
-    _runner_main(sys.argv[2])  # never returns
-
-# ---- trainer side --------------------------------------------------------------------------------
-import secrets  # noqa: E402
-import selectors  # noqa: E402
-import shutil  # noqa: E402
-import signal  # noqa: E402
-import subprocess  # noqa: E402
-import tempfile  # noqa: E402
-import threading  # noqa: E402
-import time  # noqa: E402
-from concurrent.futures import ThreadPoolExecutor  # noqa: E402
-from dataclasses import asdict, dataclass  # noqa: E402
-from typing import Sequence  # noqa: E402
-
+HERE = Path(__file__).resolve().parent
 UID_BASE, UID_SPAN = 2_000_000_000, 2 ** 31  # sandbox uids: far above real accounts, below (uid_t)-1
-DRAIN_S = 0.5  # after the runner is gone: how long to wait for pipe data still in flight
+DRAIN_S = 0.5  # after the candidate is gone: how long to wait for its output still in flight
+JUDGE_GRACE_S = 1.0  # the judge's own deadline is the timeout; past this much more, it is replaced
 THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 _uids_in_use: set[int] = set()
 _uid_lock = threading.Lock()
@@ -185,8 +50,10 @@ class SandboxLimits:
     cpu_s: int = 5  # RLIMIT_CPU
     memory_mb: int = 1024  # RLIMIT_AS, per process
     max_processes: int = 64  # RLIMIT_NPROC: enforced because root runs switch to a uid of their own
-    file_size_mb: int = 10  # RLIMIT_FSIZE
+    file_size_mb: int = 10  # RLIMIT_FSIZE; the private /tmp holds 4x this
     output_bytes: int = 10_000  # stdout/stderr kept per program, truncated beyond
+    reply_mb: int = 16  # largest answer of one call (a bigger return value fails the case)
+    hidden_paths: tuple[str, ...] = ()  # more paths the candidate must not see (e.g. a dataset's folder)
 
 
 @dataclass
@@ -199,10 +66,11 @@ class CaseResult:
 class RunResult:
     cases: list[CaseResult]
     timed_out: bool
-    crashed: bool  # the runner died without finishing its report (os._exit, signal, limit)
+    crashed: bool  # the candidate died (or closed its channel) before every case was judged
     stdout: str
     stderr: str
     duration_s: float
+    isolation: str = ""  # namespaces | uid | rlimits (what confined this run; see candidate.py)
 
     @property
     def passed(self) -> int:
@@ -215,8 +83,8 @@ class RunResult:
 
 @dataclass(frozen=True)
 class Program:
-    code: str  # the candidate program (defines functions)
-    preamble: str  # test preamble (imports, constants, helpers) run after `code`, before the cases
+    code: str  # the candidate program (defines functions); runs in the candidate process only
+    preamble: str  # test preamble (imports, constants, helpers); runs in the judge only, before the cases
     cases: list[str]  # each an `assert ...` statement (may be multi-line source)
     entry_point: str  # name bound to `candidate` while the cases run
 
@@ -230,6 +98,80 @@ class _Capped:
     def add(self, chunk: bytes) -> None:
         self.data += chunk[: max(0, self.cap - len(self.data))]
 
+
+# ---- judges ---------------------------------------------------------------------------------------
+
+class _Judge:
+    """A warm judge process and the driver's end of its socket."""
+
+    def __init__(self) -> None:
+        ours, theirs = socket.socketpair()
+        self.sock = ours
+        self.proc = subprocess.Popen(
+            [sys.executable, "-I", "-S", str(HERE / "judge.py"), str(theirs.fileno())], pass_fds=(theirs.fileno(),),
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+            env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", **dict.fromkeys(THREAD_VARS, "1")})
+        theirs.close()
+
+    def send(self, job: dict, fds: list[int]) -> None:
+        data = json.dumps(job).encode()
+        socket.send_fds(self.sock, [wire.HEADER.pack(len(data))], fds)
+        self.sock.sendall(data)
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # the judge and its child of the moment
+        except ProcessLookupError:
+            pass
+        self.sock.close()
+        self.proc.wait()
+
+
+class _JudgePool:
+    def __init__(self) -> None:
+        self.idle: list[_Judge] = []
+        self.lock = threading.Lock()
+
+    def acquire(self) -> _Judge:
+        with self.lock:
+            if self.idle:
+                return self.idle.pop()
+        return _Judge()
+
+    def release(self, judge: _Judge) -> None:
+        with self.lock:
+            self.idle.append(judge)
+
+    def close(self) -> None:
+        with self.lock:
+            judges, self.idle = self.idle, []
+        for judge in judges:
+            judge.kill()
+
+
+_judges = _JudgePool()
+atexit.register(_judges.close)
+
+
+class _Frames:
+    """Sink for the judge's socket: complete when one length-prefixed message has arrived."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap, self.data = cap, bytearray()
+
+    def add(self, chunk: bytes) -> None:
+        self.data += chunk[: max(0, self.cap - len(self.data))]
+
+    def message(self):
+        if len(self.data) < wire.HEADER.size:
+            return None
+        (size,) = wire.HEADER.unpack(self.data[: wire.HEADER.size])
+        if len(self.data) < wire.HEADER.size + size:
+            return None
+        return json.loads(self.data[wire.HEADER.size: wire.HEADER.size + size])
+
+
+# ---- candidates -----------------------------------------------------------------------------------
 
 def _acquire_uid() -> int:
     """A random uid: no other live run shares it (and, with overwhelming odds, no other trainer's), and
@@ -248,7 +190,7 @@ def _release_uid(uid: int) -> None:
 
 
 def _kill_uid(uid: int) -> None:
-    """SIGKILL every live process of `uid`: the runner died before it could do so itself."""
+    """SIGKILL every live process of `uid` (no PID namespace to do it for us)."""
     for _ in range(100):  # repeat: a survivor may fork while we scan (bounded by RLIMIT_NPROC)
         found = False
         for pid in filter(str.isdigit, os.listdir("/proc")):
@@ -268,45 +210,59 @@ def _kill_uid(uid: int) -> None:
         time.sleep(0.001)
 
 
-def _pump(sel: selectors.BaseSelector, until: float, proc: subprocess.Popen | None = None,
-          pidfd: int | None = None) -> bool:
-    """Reads ready pipes into their sinks until `until`. Given `proc`: returns True once it has exited
-    (seen on `pidfd`, else by polling). Without: returns once every pipe is at EOF (drained)."""
-    while (remaining := until - time.monotonic()) > 0:
-        if proc is None and not sel.get_map():
-            return False
-        exited = False
-        for key, _ in sel.select(remaining if proc is None or pidfd is not None else min(remaining, 0.01)):
-            if key.data is None:  # the pidfd; still read the pipes that are ready in this batch
-                exited = True
-            elif chunk := os.read(key.fd, 1 << 16):
+def _remove_files_of(uid: int) -> None:
+    """What the uid left in the shared temp dirs (no private /tmp without namespaces)."""
+    for folder in ("/tmp", "/var/tmp", "/dev/shm"):
+        try:
+            entries = list(os.scandir(folder))
+        except OSError:
+            continue
+        for entry in entries:
+            try:
+                if entry.stat(follow_symlinks=False).st_uid != uid:
+                    continue
+                if entry.is_dir(follow_symlinks=False):
+                    shutil.rmtree(entry.path, ignore_errors=True)
+                else:
+                    os.unlink(entry.path)
+            except OSError:
+                pass
+
+
+def hidden_paths(extra: Sequence[str] = ()) -> list[str]:
+    """Paths a candidate must not see even where the OS folders stay visible: the checkout, every
+    site-packages, the caches of datasets and models, and `extra`."""
+    home = Path.home()
+    paths = [str(HERE.parent.parent), *(p for p in sys.path if p.endswith(("site-packages", "dist-packages"))),
+             os.environ.get("HF_HOME", str(home / ".cache" / "huggingface")),
+             os.environ.get("MAGRPO_CACHE", str(home / ".cache" / "magrpo")), *extra]
+    return sorted({os.path.realpath(p) for p in paths if p})
+
+
+def _pump(sel: selectors.BaseSelector, until: float, done) -> bool:
+    """Reads ready fds into their sinks until `done()` or `until`; False on timeout."""
+    while not done():
+        remaining = until - time.monotonic()
+        if remaining <= 0 or not sel.get_map():
+            return done()
+        for key, _ in sel.select(remaining):
+            if key.data is None:  # a pidfd: the candidate's runner exited
+                sel.unregister(key.fileobj)
+                continue
+            try:
+                chunk = os.read(key.fd, 1 << 16) if isinstance(key.fileobj, int) else key.fileobj.recv(1 << 16)
+            except (BlockingIOError, InterruptedError):
+                continue
+            if chunk:
                 key.data.add(chunk)
             else:
                 sel.unregister(key.fileobj)
-        if proc is not None and (exited or (pidfd is None and proc.poll() is not None)):
-            return True
-    return False
+    return True
 
 
-def _parse_report(data: bytes, token: str, n: int) -> tuple[dict[int, CaseResult], bool, str | None]:
-    """Lines `TOKEN case I OK [ERROR]`, `TOKEN done`, `TOKEN setup ERROR`; anything else is ignored."""
-    cases: dict[int, CaseResult] = {}
-    done, setup_error = False, None
-    for line in data.decode("utf-8", "replace").split("\n"):
-        words = line.split(" ", 4)
-        if words[0] != token or len(words) < 2:
-            continue
-        if words[1] == "done":
-            done = True
-        elif words[1] == "setup":
-            setup_error = line.split(" ", 2)[-1]
-        elif words[1] == "case" and len(words) >= 4 and words[2].isdigit() and int(words[2]) < n:
-            passed = words[3] == "1"
-            cases.setdefault(int(words[2]), CaseResult(passed, None if passed else " ".join(words[4:])))
-    return cases, done, setup_error
-
-
-def _exit_reason(returncode: int) -> str:
+def _exit_reason(returncode: int | None) -> str:
+    if returncode is None:
+        return "crashed: closed its channel to the judge"
     if returncode >= 0:
         return f"crashed: exit status {returncode}"
     try:
@@ -315,69 +271,145 @@ def _exit_reason(returncode: int) -> str:
         return f"crashed: killed by signal {-returncode}"
 
 
-def _spawn(program: Program, limits: SandboxLimits, workdir: str, uid: int | None, token: str,
-           report_fd: int) -> subprocess.Popen:
-    job_path = os.path.join(workdir, "job.json")  # mkdtemp made the dir 0700: nobody else reads it
-    with open(job_path, "w") as f:
-        json.dump({"code": program.code, "preamble": program.preamble, "cases": list(program.cases),
-                   "entry_point": program.entry_point, "token": token, "report_fd": report_fd,
-                   "uid": uid, "limits": asdict(limits)}, f)
-    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": workdir, "TMPDIR": workdir,
+def _spawn(setup: dict, workdir: str, fds: tuple[int, ...]) -> subprocess.Popen:
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8",
+           "HOME": "/tmp" if setup["uid"] is not None else workdir, "TMPDIR": "/tmp" if setup["uid"] is not None else workdir,
            **dict.fromkeys(THREAD_VARS, "1")}  # one thread per program: the workers run side by side
     return subprocess.Popen(
-        [sys.executable, "-I", os.path.abspath(__file__), "--run-job", job_path], cwd=workdir, env=env,
-        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        pass_fds=(report_fd,), start_new_session=True)
+        [sys.executable, "-I", "-S", str(HERE / "candidate.py"), json.dumps(setup)], cwd=workdir, env=env,
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=fds,
+        start_new_session=True)
+
+
+def _status(data: bytes) -> dict:
+    out: dict = {}
+    for line in data.decode("utf-8", "replace").splitlines():
+        try:
+            out.update(json.loads(line))
+        except ValueError:
+            pass
+    return out
 
 
 def _run(program: Program, limits: SandboxLimits, workdir: str, uid: int | None) -> RunResult:
-    start, token = time.monotonic(), secrets.token_hex(16)
-    out, err = _Capped(limits.output_bytes), _Capped(limits.output_bytes)
-    report = _Capped(4096 + 2 * (ERROR_CHARS + 64) * len(program.cases))
-    report_r, report_w = os.pipe()
+    start = time.monotonic()
+    out, err, status, verdict = (_Capped(limits.output_bytes), _Capped(limits.output_bytes), _Capped(4096),
+                                 _Frames(64 * len(program.cases) + (1 << 20)))
+    request_r, request_w = os.pipe()
+    reply_r, reply_w = os.pipe()
+    status_r, status_w = os.pipe()
+    setup = {"uid": uid, "limits": asdict(limits), "request_fd": request_r,
+             "reply_fd": reply_w, "status_fd": status_w, "max_message": 1 << 30, "tmp_mb": 4 * limits.file_size_mb,
+             "hide": hidden_paths(limits.hidden_paths), "keep": [os.path.realpath(sys.base_prefix)]}
     try:
-        proc = _spawn(program, limits, workdir, uid, token, report_w)
+        proc = _spawn(setup, workdir, (request_r, reply_w, status_w))
     finally:
-        os.close(report_w)  # only the sandbox holds a write end now: EOF once it is gone
+        for fd in (request_r, reply_w, status_w):
+            os.close(fd)  # only the candidate holds these ends now: EOF once it is gone
+    judge = _judges.acquire()
+    job = {"code": program.code, "preamble": program.preamble, "cases": list(program.cases),
+           "entry_point": program.entry_point, "names": _function_names(program.code, program.entry_point),
+           "timeout_s": limits.timeout_s, "max_message": limits.reply_mb << 20}
+    try:
+        judge.send(job, [request_w, reply_r])
+    finally:
+        os.close(request_w)
+        os.close(reply_r)
     try:
         pidfd = os.pidfd_open(proc.pid)  # readable when the runner exits (Linux >= 5.3)
     except (AttributeError, OSError):
-        pidfd = None  # poll instead
-    done = timed_out = False
+        pidfd = None
+    judge_ok = False
     with proc, selectors.DefaultSelector() as sel:
         try:
-            for fileobj, sink in ((proc.stdout, out), (proc.stderr, err), (report_r, report)):
+            for fileobj, sink in ((proc.stdout.fileno(), out), (proc.stderr.fileno(), err), (status_r, status),
+                                  (judge.sock, verdict)):
                 sel.register(fileobj, selectors.EVENT_READ, sink)
-            if pidfd is not None:
+            message = None
+            _pump(sel, start + limits.timeout_s + JUDGE_GRACE_S, lambda: verdict.message() is not None)
+            message = verdict.message()
+            judge_ok = message is not None and "cases" in message
+            crashed = judge_ok and any(kind == "crashed" for _, _, kind in message["cases"])
+            if crashed and pidfd is not None:  # its exit status names the crash: give it a moment
                 sel.register(pidfd, selectors.EVENT_READ, None)
-            timed_out = not _pump(sel, start + limits.timeout_s, proc, pidfd)
+                _pump(sel, min(time.monotonic() + DRAIN_S, start + limits.timeout_s), lambda: proc.poll() is not None)
         finally:
-            # The whole group, runner included, before reaping it: an unreaped runner keeps its pid,
-            # so the group id cannot name someone else's group meanwhile.
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            returncode = proc.poll()
+            facts = _status(_drain_status(sel, status_r, status))
+            _kill(proc, facts, uid)
             if pidfd is not None:
-                sel.unregister(pidfd)
                 os.close(pidfd)
-            _pump(sel, time.monotonic() + DRAIN_S)  # output still in flight
-            os.close(report_r)
-            cases, done, setup_error = _parse_report(report.data, token, len(program.cases))
-            if uid is not None and not done:  # the runner did not get to kill(-1): escaped processes?
-                _kill_uid(uid)
-    if setup_error is not None:
-        raise RuntimeError(f"sandbox setup failed, nothing was run: {setup_error}")
-    missing = "timeout" if timed_out else _exit_reason(proc.returncode)
-    return RunResult(
-        cases=[cases.get(i, CaseResult(False, missing)) for i in range(len(program.cases))],
-        timed_out=timed_out, crashed=not done and not timed_out,
-        stdout=out.data.decode("utf-8", "replace"), stderr=err.data.decode("utf-8", "replace"),
-        duration_s=time.monotonic() - start)
+            sel.unregister(judge.sock)
+            _pump(sel, time.monotonic() + DRAIN_S, lambda: False)  # output still in flight
+            os.close(status_r)
+            if judge_ok:
+                _judges.release(judge)
+            else:
+                judge.kill()
+    if "setup_error" in facts:
+        raise RuntimeError(f"sandbox setup failed, nothing was run: {facts['setup_error']}")
+    if not judge_ok:  # no verdict in time (or a judge that failed: its message says why)
+        error = str(message["error"]) if message is not None and "error" in message else "timeout"
+        cases = [CaseResult(False, error)] * len(program.cases)
+        kinds = ["timeout" if error == "timeout" else ""] * len(program.cases)
+    else:
+        reason = _exit_reason(returncode)
+        cases = [CaseResult(bool(ok), None if ok else (reason if kind == "crashed" else error))
+                 for ok, error, kind in message["cases"]]
+        kinds = [kind for _, _, kind in message["cases"]]
+    return RunResult(cases=cases, timed_out="timeout" in kinds, crashed="crashed" in kinds,
+                     stdout=out.data.decode("utf-8", "replace"), stderr=err.data.decode("utf-8", "replace"),
+                     duration_s=time.monotonic() - start, isolation=facts.get("isolation", ""))
+
+
+def _drain_status(sel: selectors.BaseSelector, status_r: int, sink: _Capped) -> bytes:
+    """The runner writes its status first thing; read what has come, without waiting for EOF."""
+    os.set_blocking(status_r, False)
+    while True:
+        try:
+            chunk = os.read(status_r, 4096)
+        except BlockingIOError:
+            break
+        if not chunk:
+            break
+        sink.add(chunk)
+    if status_r in sel.get_map():
+        sel.unregister(status_r)
+    return bytes(sink.data)
+
+
+def _kill(proc: subprocess.Popen, facts: dict, uid: int | None) -> None:
+    """Nothing of the candidate survives. In a PID namespace, killing its PID 1 kills all of it."""
+    if facts.get("isolation") == "namespaces" and "pid" in facts and proc.poll() is None:
+        try:  # still unreaped by its waiter (which is alive): the pid cannot name another process
+            os.kill(int(facts["pid"]), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # the runner's group, before reaping it
+    except ProcessLookupError:
+        pass
+    if uid is not None and facts.get("isolation") != "namespaces":
+        _kill_uid(uid)
+        _remove_files_of(uid)
+
+
+def _function_names(code: str, entry_point: str) -> list[str]:
+    """Top-level functions of the program, which the judge binds to proxies (the entry point first)."""
+    import ast
+
+    names = [entry_point]
+    try:
+        tree = ast.parse(code)
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return names
+    names += [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+              and n.name != entry_point]
+    return names
 
 
 def run_program(program: Program, limits: SandboxLimits = SandboxLimits()) -> RunResult:
-    """Runs `program` in a confined child process and scores each of its cases."""
+    """Runs `program` in a confined child process and has a judge process score each of its cases."""
     workdir = tempfile.mkdtemp(prefix="magrpo-sandbox-")
     uid = _acquire_uid() if os.geteuid() == 0 else None
     try:
@@ -395,11 +427,18 @@ def run_many(programs: Sequence[Program], limits: SandboxLimits = SandboxLimits(
         return list(pool.map(lambda program: run_program(program, limits), programs))
 
 
-if __name__ == "__main__":  # python -m envs.code.sandbox: sandbox runs per second
+def main() -> None:  # python -m envs.code.sandbox [N]: sandbox runs per second
+    count = int(sys.argv[1]) if len(sys.argv) > 1 else 200
     cases = [f"assert candidate({i}, 1) == {i + 1}" for i in range(4)]
     add = Program("def add(a, b):\n    return a + b\n", "", cases, "add")
+    run_many([add] * (os.cpu_count() or 1))  # warm judges
     began = time.monotonic()
-    results = run_many([add] * 200)
+    results = run_many([add] * count)
     elapsed = time.monotonic() - began
     assert all(r.fraction == 1.0 for r in results), results[0]
-    print(f"{len(results) / elapsed:.1f} sandbox runs/s ({os.cpu_count()} workers, 4 asserts each)")
+    print(f"{len(results) / elapsed:.1f} sandbox runs/s ({os.cpu_count()} workers, 4 asserts each, "
+          f"isolation: {results[0].isolation})")
+
+
+if __name__ == "__main__":
+    main()
