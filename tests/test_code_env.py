@@ -143,3 +143,47 @@ def test_hostile_programs_score_at_the_no_test_passed_level_through_the_env(trun
     for name, s in zip(HOSTILE_MAINS, scored):
         assert s.context["passed"] == 0 and s.reward == pytest.approx(1.5), (name, s.context["first_failure"])
     assert pass_at_k(len(scored), int(sum(s.outcomes["passed"] for s in scored)), 1) == 0.0
+
+
+SEMANTICS = [  # (name, prompt, test, correct solution, wrong solution)
+    ("mbpp_style_module_asserts", "def pairs(xs):\n    \"\"\"Adjacent pairs as tuples.\"\"\"\n",
+     "assert pairs([1, 2, 3]) == [(1, 2), (2, 3)]\nassert pairs([]) == []\n",
+     "def pairs(xs):\n    return list(zip(xs, xs[1:]))\n", "def pairs(xs):\n    return [[1, 2], [2, 3]]\n"),
+    ("isclose_and_abs_eps", "import math\ndef root(x):\n    \"\"\"Square root.\"\"\"\n",
+     "import math\ndef check(candidate):\n    assert math.isclose(candidate(2.0), 1.41421356, rel_tol=1e-6)\n"
+     "    assert abs(candidate(9.0) - 3) < 1e-9\n",
+     "def root(x):\n    return math.sqrt(x)\n", "def root(x):\n    return x / 2\n"),
+    ("is_true_and_sets", "def flags(x):\n    \"\"\"(is even, digits).\"\"\"\n",
+     "def check(candidate):\n    assert candidate(4)[0] is True\n    assert candidate(3)[0] is False\n"
+     "    assert candidate(121)[1] == {1, 2}\n    assert candidate(7) == (False, frozenset({7}))\n",
+     "def flags(x):\n    return (x % 2 == 0, frozenset(int(d) for d in str(x)))\n",
+     "def flags(x):\n    return (1 if x % 2 == 0 else 0, frozenset(int(d) for d in str(x)))\n"),
+    ("loops_helpers_and_dicts", "def count(s):\n    \"\"\"Letter counts.\"\"\"\n",
+     "import random\nrandom.seed(1)\ndef reference(s):\n    out = {}\n    for c in s:\n        out[c] = out.get(c, 0) + 1\n"
+     "    return out\n\ndef check(candidate):\n    for _ in range(20):\n"
+     "        s = ''.join(random.choice('abc') for _ in range(random.randint(0, 8)))\n"
+     "        assert candidate(s) == reference(s), s\n    assert candidate('') == {}\n",
+     "def count(s):\n    from collections import Counter\n    return Counter(s)\n",
+     "def count(s):\n    return {c: 1 for c in s}\n"),
+    ("expected_exception", "def parse(s):\n    \"\"\"int(s); ValueError on bad input.\"\"\"\n",
+     "def check(candidate):\n    assert candidate('12') == 12\n    try:\n        candidate('x')\n"
+     "        assert False, 'no error'\n    except ValueError:\n        pass\n",
+     "def parse(s):\n    return int(s)\n", "def parse(s):\n    return int(s) if s.isdigit() else None\n"),
+]
+
+
+def test_case_semantics_survive_the_judge(tmp_path, monkeypatch):
+    """MBPP-style module asserts, math.isclose, abs(..) < eps, `is True`, sets and frozensets, loops
+    over random inputs with helpers from the test, Counter answers, tests that expect an exception:
+    the correct solution passes every case, a wrong one does not."""
+    path = tmp_path / "semantics.jsonl"
+    path.write_text("".join(json.dumps({"task_id": name, "prompt": prompt, "test": test,
+                                        "entry_point": prompt.split("def ", 1)[1].split("(", 1)[0]}) + "\n"
+                            for name, prompt, test, _, _ in SEMANTICS))
+    env = CodeEnv(CodeEnv.Config(dataset=str(path), num_agents=1, train_split="test", eval_split="test[:1]"))
+    problems = env.problems("train")
+    assert [p["task_id"] for p in problems] == [name for name, *_ in SEMANTICS] and env.unsupported == 0
+    scored = env.score(problems * 2, [[right] for *_, right, _ in SEMANTICS] + [[wrong] for *_, wrong in SEMANTICS])
+    for (name, *_), right, wrong in zip(SEMANTICS, scored[:len(SEMANTICS)], scored[len(SEMANTICS):]):
+        assert right.outcomes["passed"] == 1.0, (name, right.context["first_failure"])
+        assert wrong.outcomes["passed"] == 0.0 and wrong.context["passed"] < wrong.context["total"], name

@@ -2,6 +2,7 @@
 must all be contained (no case passes, no process left behind, the test process survives)."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from pathlib import Path
@@ -234,15 +235,21 @@ def leftovers() -> list[str]:
     return found
 
 
-def test_hostile_programs_are_contained(tmp_path):
+@pytest.mark.parametrize("namespaces", [True, False], ids=["namespaces", "no-namespaces"])
+def test_hostile_programs_are_contained(tmp_path, namespaces):
+    if not namespaces and not (ROOT and NAMESPACES):
+        pytest.skip("the fallback differs from the default only where namespaces can be made")
+    limits = dataclasses.replace(FAST, namespaces=namespaces)
+    hidden = NAMESPACES and namespaces
     target = tmp_path / "escaped.txt"
     corpus = {name: prog(code) for name, (code, needs_root) in hostile_corpus(target).items() if ROOT or not needs_root}
-    if NAMESPACES:  # hidden only where the sandbox could make its own mount namespace
+    if hidden:  # only where the sandbox makes its own mount namespace
         corpus.update({name: prog(code) for name, code in _readers().items()})
     corpus["stop_iteration_through_map"] = prog(*STOP_ITERATION)
     assert len(corpus) >= (30 if ROOT else 14)
     began = time.monotonic()
-    results = dict(zip(corpus, run_many(list(corpus.values()), FAST, workers=2)))
+    results = dict(zip(corpus, run_many(list(corpus.values()), limits, workers=2)))
+    assert {r.isolation for r in results.values()} == {"namespaces" if hidden else "uid" if ROOT else "rlimits"}
     for name, result in results.items():
         assert result.passed == 0, (name, result)
         assert result.duration_s < FAST.timeout_s + 2, (name, result.duration_s)
@@ -267,7 +274,7 @@ def test_hostile_programs_are_contained(tmp_path):
     assert "bytes (more than" in results["huge_return"].cases[0].error
     assert results["garbage_on_reply_channel"].cases[0].error.startswith("bad reply from the candidate")
     assert results["stop_iteration_through_map"].cases[0].error == "CandidateError: StopIteration"
-    if NAMESPACES:
+    if hidden:
         for name in _readers():
             assert "FileNotFoundError" in results[name].cases[0].error, (name, results[name].cases[0])
     if ROOT:  # not root, all runs share the trainer's uid and its process budget: they cannot fork here

@@ -1,7 +1,8 @@
 """The candidate process: confines itself, loads the model-written program, and answers calls.
 
-Started by the sandbox driver as `python -I -S candidate.py SETUP` (stdlib only, loaded before any
-package: a fast start-up, and nothing of the trainer's site-packages). It never sees a test case:
+Started by the sandbox driver as `python -I -S -c BOOT FOLDER SETUP`, BOOT importing this file
+and `wire.py` from their folder (cached bytecode) (stdlib only, no site-packages: a fast start-up, and nothing of the
+trainer's packages). It never sees a test case:
 the judge process sends `load` (the program) and then `call` messages (function name and plain-data
 arguments) on one pipe and reads the plain-data results on another. Whatever this process writes
 there is a return value, never a verdict: it cannot make a case pass that its values do not pass.
@@ -20,25 +21,19 @@ Confinement as root (the usual case in training containers), all before the prog
 Where the namespaces cannot be created (no CAP_SYS_ADMIN), the uid switch and rlimits still apply
 and the driver removes the uid's processes and /tmp files afterwards. Not root: rlimits only.
 """
-from __future__ import annotations
-
-import json
 import os
 import sys
+
+if __package__:
+    from . import wire
+else:  # started by the driver: its boot line puts this folder first on sys.path
+    import wire
 
 NEWNS, NEWPID, NEWNET = 0x00020000, 0x20000000, 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = (
     1, 2, 4, 8, 32, 4096, 16384, 1 << 18)
 KEEP = {"usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32", "etc", "dev", "proc", "sys"}
 ERROR_CHARS = 300
-
-
-def _load_wire():
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "wire.py")
-    namespace: dict = {"__name__": "wire"}
-    with open(path) as f:
-        exec(compile(f.read(), path, "exec"), namespace)
-    return namespace
 
 
 def describe(exc: BaseException) -> str:
@@ -164,7 +159,7 @@ def _enter_namespaces(libc: _Libc, status_fd: int, keep_fds: tuple[int, ...]) ->
         return True
     for fd in keep_fds:
         os.close(fd)  # only the child talks to the judge: EOF there as soon as the child is gone
-    os.write(status_fd, json.dumps({"pid": pid, "isolation": "namespaces"}).encode() + b"\n")
+    _say(status_fd, {"pid": pid, "isolation": "namespaces"})
     os.close(status_fd)
     _wait_and_mirror(pid)
 
@@ -183,18 +178,27 @@ def _wait_and_mirror(pid: int) -> None:
     os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 1)
 
 
+def _say(status_fd: int, facts: dict) -> None:
+    """A line for the driver (a Python literal): written before any of the program runs."""
+    os.write(status_fd, repr(facts).encode() + b"\n")
+
+
 def confine(setup: dict) -> None:
     status_fd = setup["status_fd"]
     uid = setup["uid"]
     isolation = "rlimits"
     if uid is not None:
         libc = _Libc()
-        if _enter_namespaces(libc, status_fd, (setup["request_fd"], setup["reply_fd"])):
+        if setup["namespaces"] and _enter_namespaces(libc, status_fd, (setup["request_fd"], setup["reply_fd"])):
             _hide_filesystem(libc, setup["hide"], setup["keep"], setup["tmp_mb"])
             os.chdir("/tmp")
             isolation = None  # the waiter outside already said so
         else:
             isolation = "uid"
+            try:
+                libc.call("unshare", NEWNET)  # no network, where that alone is allowed
+            except OSError:
+                pass
             os.chown(".", uid, uid)
             _reroot_imports()
         _set_limits(setup["limits"])
@@ -202,16 +206,16 @@ def confine(setup: dict) -> None:
     else:
         _set_limits(setup["limits"])
     if isolation:
-        os.write(status_fd, json.dumps({"pid": os.getpid(), "isolation": isolation}).encode() + b"\n")
+        _say(status_fd, {"pid": os.getpid(), "isolation": isolation})
     os.close(status_fd)
 
 
 # ---- serving calls ------------------------------------------------------------------------------
 
-def serve(request_fd: int, reply_fd: int, max_message: int, wire: dict) -> None:
+def serve(request_fd: int, reply_fd: int, max_message: int) -> None:
     # Bound now: the program may patch modules and builtins; that only breaks its own answers.
-    receive, send, encode, decode, exit_, getpid = (wire["receive"], wire["send"], wire["encode"], wire["decode"],
-                                                    os._exit, os.getpid)
+    receive, send, encode, decode, not_plain = wire.receive, wire.send, wire.encode, wire.decode, wire.PlainDataError
+    exit_, getpid = os._exit, os.getpid
     me, streams = getpid(), (sys.stdout, sys.stderr)
     namespace: dict = {"__name__": "solution"}
 
@@ -224,7 +228,7 @@ def serve(request_fd: int, reply_fd: int, max_message: int, wire: dict) -> None:
 
     while True:
         try:
-            message = receive(request_fd, max_message)
+            message = receive(request_fd, max_message, trusted=True)
         except BaseException:
             exit_(0)  # the judge is done (EOF) or gone
         if message["op"] == "load":
@@ -241,7 +245,7 @@ def serve(request_fd: int, reply_fd: int, max_message: int, wire: dict) -> None:
                 value = fn(*decode(message["args"]), **decode(message["kwargs"]))
                 try:
                     reply = {"id": message["id"], "value": encode(value)}
-                except wire["PlainDataError"] as e:  # not plain data: the judge fails the case
+                except not_plain as e:  # the judge fails the case
                     reply = {"id": message["id"], "unplain": str(e)}
             except BaseException as e:
                 reply = {"id": message["id"], "raised": [type(e).__name__, describe(e)]}
@@ -254,16 +258,13 @@ def serve(request_fd: int, reply_fd: int, max_message: int, wire: dict) -> None:
             exit_(0)
 
 
-def main(argv: list[str]) -> None:
-    setup = json.loads(argv[1])
-    wire = _load_wire()  # before the checkout is hidden
+def main(setup_text: str) -> None:
+    setup = eval(setup_text, {"__builtins__": {}})  # a literal from the driver
     try:
         confine(setup)
     except Exception as e:  # never run the program with fewer restrictions than asked for
-        os.write(setup["status_fd"], json.dumps({"setup_error": describe(e)}).encode() + b"\n")
+        _say(setup["status_fd"], {"setup_error": describe(e)})
         os._exit(3)
-    serve(setup["request_fd"], setup["reply_fd"], setup["max_message"], wire)
+    serve(setup["request_fd"], setup["reply_fd"], setup["max_message"])
 
 
-if __name__ == "__main__":
-    main(sys.argv)

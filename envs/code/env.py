@@ -2,6 +2,7 @@
 may call it (one agent: the entry point alone). Programs run in the sandbox, never in-process."""
 from __future__ import annotations
 
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -73,7 +74,8 @@ class CodeEnv(Environment):
 
             raise ConfigError("env.num_agents", f"must be 1 or 2 for the code env, got {cfg.num_agents}")
         self.weights = cfg.reward
-        self.limits = SandboxLimits(timeout_s=cfg.timeout_s)
+        dataset_dir = os.path.dirname(os.path.abspath(cfg.dataset)) if os.path.isfile(cfg.dataset) else None
+        self.limits = SandboxLimits(timeout_s=cfg.timeout_s, hidden_paths=(dataset_dir,) if dataset_dir else ())
         self.sandbox_runs = 0
         self.timeouts = 0
         self.sandbox_s = 0.0

@@ -1,6 +1,6 @@
 """The judge: runs a problem's test cases against a candidate it never executes.
 
-A warm process started by the sandbox driver (`python -I -S judge.py SOCKET_FD`). For each program
+A warm process started by the sandbox driver (`python -I -S -c BOOT FOLDER SOCKET_FD`). For each program
 the driver sends the job (test preamble, cases, the candidate's function names) and two pipe ends to
 the candidate process over a Unix socket; the judge forks a child that runs the preamble and every
 case here, in its own interpreter, with `candidate` (and the program's other functions) bound to
@@ -19,13 +19,11 @@ from __future__ import annotations
 import ast
 import builtins
 import os
-import sys
 
-if __name__ == "__main__":  # started as a script with -I: the sibling module by path
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import wire  # noqa: E402
-else:
+if __package__:
     from . import wire
+else:  # started by the driver: its boot line puts this folder first on sys.path
+    import wire
 
 ERROR_CHARS = 300
 CRASHED, TIMEOUT = "crashed", "timeout"
@@ -106,7 +104,7 @@ class Channel:
         try:
             encoded = {"args": wire.encode(list(args)), "kwargs": wire.encode(dict(kwargs))}
         except wire.PlainDataError as e:
-            raise self._fail(f"unsupported case: an argument to {name} cannot be sent ({e})")
+            raise self._fail(f"unsupported case: an argument to {name} cannot be sent ({e})") from None
         try:
             reply = self.ask({"op": "call", "fn": name, **encoded})
         except CallFailed as e:
@@ -116,7 +114,7 @@ class Channel:
             try:
                 return wire.decode(reply["value"])
             except wire.PlainDataError as e:
-                raise self._fail(f"{name} returned {e}")
+                raise self._fail(f"{name} returned {e}") from None
         if "unplain" in reply:
             raise self._fail(f"{name} returned {str(reply['unplain'])[:ERROR_CHARS]}")
         raise _as_exception(reply.get("raised"))
@@ -232,17 +230,17 @@ def _send_message(sock, message) -> None:
     import json
 
     data = json.dumps(message).encode()
-    sock.sendall(wire.HEADER.pack(len(data)) + data)
+    sock.sendall(len(data).to_bytes(wire.HEADER_SIZE, "big") + data)
 
 
 def _receive_job(sock):
     import json
     import socket
 
-    header, fds, _, _ = socket.recv_fds(sock, wire.HEADER.size, 2)
+    header, fds, _, _ = socket.recv_fds(sock, wire.HEADER_SIZE, 2)
     if not header:
         return None, []
-    (size,) = wire.HEADER.unpack(header)
+    size = int.from_bytes(header, "big")
     data = bytearray()
     while len(data) < size:
         chunk = sock.recv(size - len(data))
@@ -252,13 +250,13 @@ def _receive_job(sock):
     return json.loads(data), fds
 
 
-def main(sock_fd: int) -> None:
+def main(sock_fd: str) -> None:
     import ctypes
     import socket
 
     # No PR_SET_PDEATHSIG: it fires when the spawning *thread* ends. We end at EOF on the socket.
     ctypes.CDLL(None).prctl(4, 0)  # PR_SET_DUMPABLE 0: a same-uid candidate cannot ptrace or read our memory
-    sock = socket.socket(fileno=sock_fd)
+    sock = socket.socket(fileno=int(sock_fd))
     cache: dict = {}
     while True:
         job, fds = _receive_job(sock)
@@ -279,6 +277,3 @@ def main(sock_fd: int) -> None:
         if status != 0:
             _send_message(sock, {"error": f"judge child failed (wait status {status})"})
 
-
-if __name__ == "__main__":
-    main(int(sys.argv[1]))

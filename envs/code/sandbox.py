@@ -15,7 +15,9 @@ otherwise every process of its uid.
 """
 from __future__ import annotations
 
+import ast
 import atexit
+import functools
 import json
 import os
 import secrets
@@ -40,6 +42,9 @@ UID_BASE, UID_SPAN = 2_000_000_000, 2 ** 31  # sandbox uids: far above real acco
 DRAIN_S = 0.5  # after the candidate is gone: how long to wait for its output still in flight
 JUDGE_GRACE_S = 1.0  # the judge's own deadline is the timeout; past this much more, it is replaced
 THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+# `python -I -S -c BOOT FOLDER ARG`: MODULE.main(ARG) imported from FOLDER with cached bytecode,
+# without site-packages (a faster start; the candidate must not see them anyway).
+BOOT = "import sys; sys.path.insert(0, sys.argv[1]); import {0}; {0}.main(sys.argv[2])"
 _uids_in_use: set[int] = set()
 _uid_lock = threading.Lock()
 
@@ -54,6 +59,7 @@ class SandboxLimits:
     output_bytes: int = 10_000  # stdout/stderr kept per program, truncated beyond
     reply_mb: int = 16  # largest answer of one call (a bigger return value fails the case)
     hidden_paths: tuple[str, ...] = ()  # more paths the candidate must not see (e.g. a dataset's folder)
+    namespaces: bool = True  # False: no mount/PID/network namespaces even where allowed (the `uid` fallback)
 
 
 @dataclass
@@ -108,14 +114,15 @@ class _Judge:
         ours, theirs = socket.socketpair()
         self.sock = ours
         self.proc = subprocess.Popen(
-            [sys.executable, "-I", "-S", str(HERE / "judge.py"), str(theirs.fileno())], pass_fds=(theirs.fileno(),),
+            [sys.executable, "-I", "-S", "-c", BOOT.format("judge"), str(HERE), str(theirs.fileno())],
+            pass_fds=(theirs.fileno(),),
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
             env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", **dict.fromkeys(THREAD_VARS, "1")})
         theirs.close()
 
     def send(self, job: dict, fds: list[int]) -> None:
         data = json.dumps(job).encode()
-        socket.send_fds(self.sock, [wire.HEADER.pack(len(data))], fds)
+        socket.send_fds(self.sock, [len(data).to_bytes(wire.HEADER_SIZE, "big")], fds)
         self.sock.sendall(data)
 
     def kill(self) -> None:
@@ -163,12 +170,13 @@ class _Frames:
         self.data += chunk[: max(0, self.cap - len(self.data))]
 
     def message(self):
-        if len(self.data) < wire.HEADER.size:
+        head = wire.HEADER_SIZE
+        if len(self.data) < head:
             return None
-        (size,) = wire.HEADER.unpack(self.data[: wire.HEADER.size])
-        if len(self.data) < wire.HEADER.size + size:
+        size = int.from_bytes(self.data[:head], "big")
+        if len(self.data) < head + size:
             return None
-        return json.loads(self.data[wire.HEADER.size: wire.HEADER.size + size])
+        return json.loads(self.data[head: head + size])
 
 
 # ---- candidates -----------------------------------------------------------------------------------
@@ -229,7 +237,8 @@ def _remove_files_of(uid: int) -> None:
                 pass
 
 
-def hidden_paths(extra: Sequence[str] = ()) -> list[str]:
+@functools.lru_cache(maxsize=8)
+def hidden_paths(extra: tuple[str, ...] = ()) -> list[str]:
     """Paths a candidate must not see even where the OS folders stay visible: the checkout, every
     site-packages, the caches of datasets and models, and `extra`."""
     home = Path.home()
@@ -276,7 +285,7 @@ def _spawn(setup: dict, workdir: str, fds: tuple[int, ...]) -> subprocess.Popen:
            "HOME": "/tmp" if setup["uid"] is not None else workdir, "TMPDIR": "/tmp" if setup["uid"] is not None else workdir,
            **dict.fromkeys(THREAD_VARS, "1")}  # one thread per program: the workers run side by side
     return subprocess.Popen(
-        [sys.executable, "-I", "-S", str(HERE / "candidate.py"), json.dumps(setup)], cwd=workdir, env=env,
+        [sys.executable, "-I", "-S", "-c", BOOT.format("candidate"), str(HERE), repr(setup)], cwd=workdir, env=env,
         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=fds,
         start_new_session=True)
 
@@ -285,8 +294,8 @@ def _status(data: bytes) -> dict:
     out: dict = {}
     for line in data.decode("utf-8", "replace").splitlines():
         try:
-            out.update(json.loads(line))
-        except ValueError:
+            out.update(ast.literal_eval(line))
+        except (ValueError, SyntaxError, TypeError):
             pass
     return out
 
@@ -298,15 +307,20 @@ def _run(program: Program, limits: SandboxLimits, workdir: str, uid: int | None)
     request_r, request_w = os.pipe()
     reply_r, reply_w = os.pipe()
     status_r, status_w = os.pipe()
-    setup = {"uid": uid, "limits": asdict(limits), "request_fd": request_r,
-             "reply_fd": reply_w, "status_fd": status_w, "max_message": 1 << 30, "tmp_mb": 4 * limits.file_size_mb,
+    setup = {"uid": uid, "limits": asdict(limits), "request_fd": request_r, "reply_fd": reply_w, "status_fd": status_w,
+             "max_message": 1 << 30, "tmp_mb": 4 * limits.file_size_mb, "namespaces": limits.namespaces,
              "hide": hidden_paths(limits.hidden_paths), "keep": [os.path.realpath(sys.base_prefix)]}
+    judge = _judges.acquire()
     try:
         proc = _spawn(setup, workdir, (request_r, reply_w, status_w))
+    except BaseException:
+        _judges.release(judge)
+        for fd in (request_w, reply_r, status_r):
+            os.close(fd)
+        raise
     finally:
         for fd in (request_r, reply_w, status_w):
             os.close(fd)  # only the candidate holds these ends now: EOF once it is gone
-    judge = _judges.acquire()
     job = {"code": program.code, "preamble": program.preamble, "cases": list(program.cases),
            "entry_point": program.entry_point, "names": _function_names(program.code, program.entry_point),
            "timeout_s": limits.timeout_s, "max_message": limits.reply_mb << 20}
@@ -396,8 +410,6 @@ def _kill(proc: subprocess.Popen, facts: dict, uid: int | None) -> None:
 
 def _function_names(code: str, entry_point: str) -> list[str]:
     """Top-level functions of the program, which the judge binds to proxies (the entry point first)."""
-    import ast
-
     names = [entry_point]
     try:
         tree = ast.parse(code)
