@@ -169,7 +169,7 @@ def judge(job: dict, compiled: dict, channel: Channel) -> list[list]:
     namespace.setdefault("candidate", _Proxy(channel, job["entry_point"]))
     out = []
     for case in cases:
-        reason = unsupported_reason(case, {"candidate", job["entry_point"]})
+        reason = compiled[("unsupported", case, job["entry_point"])]
         if reason is not None:
             out.append([False, f"unsupported case: {reason}", ""])
             continue
@@ -202,6 +202,10 @@ def _compile_all(job: dict, cache: dict) -> dict:
                 cache[source] = compile(source, "<test>", "exec", dont_inherit=True)
             except SyntaxError as e:
                 cache[source] = compile(f"raise SyntaxError({str(e)!r})", "<test>", "exec")
+    for case in job["cases"]:  # the K samples of a problem share its cases: parse them once
+        key = ("unsupported", case, job["entry_point"])
+        if key not in cache:
+            cache[key] = unsupported_reason(case, {"candidate", job["entry_point"]})
     return cache
 
 
