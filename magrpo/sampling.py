@@ -68,9 +68,15 @@ def sampling_logprobs(logits: torch.Tensor, temperature: float, top_k: int, top_
 def sample(logprobs: torch.Tensor, uniforms: torch.Tensor | None = None) -> torch.Tensor:
     """(R, V) log-probs -> (R,) token ids, one categorical draw per row, from `uniforms` (R,) in (0, 1)
     (default: torch's global RNG). The first index whose CDF exceeds u * total: zero-probability
-    tokens are never picked."""
-    cdf = logprobs.exp().cumsum(-1)
+    tokens are never picked.
+
+    The CDF is float64: in float32 a 150k-token vocabulary's tail tokens add less than half an ulp
+    to a sum near 1 and could never be drawn, and u near 1 rounds to 1 and lands past the last
+    token with probability > 0 (a filtered one)."""
+    cdf = logprobs.exp().cumsum(-1, dtype=torch.float64)  # exp is exact enough per token; the sum is not
     if uniforms is None:
         uniforms = torch.rand(cdf.shape[0], device=cdf.device, dtype=torch.float64)
-    u = uniforms.to(cdf.device, cdf.dtype)[:, None] * cdf[:, -1:]
-    return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp(max=cdf.shape[-1] - 1)
+    total = cdf[:, -1:].contiguous()
+    ids = torch.searchsorted(cdf, uniforms.to(cdf.device, torch.float64)[:, None] * total, right=True)
+    last_positive = torch.searchsorted(cdf, total, right=False)  # where the CDF first reaches its total
+    return torch.minimum(ids, last_positive).squeeze(-1)

@@ -74,3 +74,26 @@ def test_stream_samples_follow_the_distribution():
     counts = torch.bincount(sample(logp, uniforms), minlength=5).float() / 200_000
     assert counts[1] == 0 and counts[4] == 0
     torch.testing.assert_close(counts, probs, atol=6e-3, rtol=0)
+
+
+def test_a_uniform_next_to_one_never_picks_a_filtered_last_token():
+    # The largest uniform stream_uniforms makes is 1 - 2^-54; in float32 it rounds to 1.0 and the
+    # draw landed past the last token with probability > 0, on a token top-k/top-p had removed.
+    logprobs = torch.log(torch.tensor([[0.25, 0.75, 0.0]]))
+    u = torch.tensor([1.0 - 2.0**-54], dtype=torch.float64)
+    assert sample(logprobs, u).item() == 1
+    assert sample(logprobs, torch.tensor([1e-300], dtype=torch.float64)).item() == 0
+
+
+def test_tail_tokens_of_a_large_vocabulary_keep_their_share():
+    # 100k tail tokens of probability 1e-8 after a head of 0.999: each adds less than half a float32
+    # ulp to a CDF near 1, so none could be drawn in float32. A uniform in the middle of token j's
+    # interval must draw token j.
+    tail = 100_000
+    probs = torch.cat([torch.tensor([0.999], dtype=torch.float64), torch.full((tail,), 1e-8, dtype=torch.float64)])
+    logprobs = probs.log().float()[None, :]
+    exact = logprobs.double().exp()[0]
+    cdf = exact.cumsum(0)
+    for j in (1, 500, 50_000, tail):
+        u = ((cdf[j - 1] + cdf[j]) / 2 / cdf[-1]).reshape(1)
+        assert sample(logprobs, u).item() == j
