@@ -106,7 +106,7 @@ class TrainerConfig:
     kl_coef: float = 0.0
     """k3 KL to the reference (base model, adapter disabled); 0 = off."""
     tis_cap: float = 0.0
-    """Truncated importance sampling: weight each token's loss by min(p_trainer / p_sampler, tis_cap), correcting for the generation backend's own numerics (and sampling temperature/top-p); 0 = off."""
+    """Truncated importance sampling: weight each token's loss by min(p_trainer / p_sampler, tis_cap), correcting for the generation backend's own numerics (and top-k/top-p truncation, which the trainer does not apply); 0 = off."""
     seed: int = 0
     """Seeds python, numpy, torch, the data order and the sampling streams (one per tree, node, agent and sample: the same under any batching or number of processes)."""
     max_bad_steps: int = 3

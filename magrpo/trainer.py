@@ -180,6 +180,7 @@ def _train(cfg: TrainConfig, env: Environment, feedback: Feedback, world: World)
                     lambda: up.step(samples, loss_agg=t.loss_agg, max_new_tokens=g.max_new_tokens,
                                     micro_batch_size=micro[0], ppo_epochs=t.ppo_epochs, clip_eps=t.clip_eps,
                                     kl_coef=t.kl_coef, max_grad_norm=t.max_grad_norm, tis_cap=t.tis_cap,
+                                    temperature=g.temperature,
                                     world=world, counts=counts),
                     lambda: _halve(micro), "trainer.micro_batch_size"))
             backend.sync_weights()  # adapters reach the generator (vllm: new version, checked by the guard)

@@ -78,10 +78,12 @@ def pack(samples: list[TrainSample], pad_id: int) -> PackedBatch:
     )
 
 
-def forward_logprobs(model: torch.nn.Module, batch: PackedBatch, entropy: list | None = None) -> torch.Tensor:
-    """(R, C) log p(completion token t | prompt, tokens < t); read with batch.target_mask.
-    Logits are computed for completion positions only: long prompts cost no lm_head work.
-    `entropy`, when given, receives the (R, C) policy entropy per position (no gradient)."""
+def forward_logprobs(model: torch.nn.Module, batch: PackedBatch, entropy: list | None = None,
+                     temperature: float = 1.0) -> torch.Tensor:
+    """(R, C) log p(completion token t | prompt, tokens < t) under the sampling temperature (logits /
+    temperature, as the tokens were drawn; TRL and verl score the same way); read with
+    batch.target_mask. Logits are computed for completion positions only: long prompts cost no
+    lm_head work. `entropy`, when given, receives the (R, C) policy entropy per position (no gradient)."""
     out = model(input_ids=batch.prompt_ids, attention_mask=batch.prompt_mask,
                 position_ids=(batch.prompt_mask.cumsum(-1) - 1).clamp(min=0), use_cache=True, logits_to_keep=1)
     logits = out.logits[batch.expand]  # (R, 1, V): predicts completion token 0
@@ -91,6 +93,8 @@ def forward_logprobs(model: torch.nn.Module, batch: PackedBatch, entropy: list |
         rest = model(input_ids=batch.inputs, attention_mask=batch.attention, position_ids=batch.positions,
                      past_key_values=cache, use_cache=True).logits
         logits = torch.cat([logits, rest], dim=1)
+    if temperature != 1.0:
+        logits = logits.float() / temperature
     if entropy is not None:
         entropy.append(token_entropy(logits.detach()))
     return gather_logprobs(logits, batch.targets)
@@ -161,6 +165,7 @@ class AgentUpdater:
         kl_coef: float,
         max_grad_norm: float,
         tis_cap: float = 0.0,
+        temperature: float = 1.0,
         world: World = World(),
         counts: tuple[float, float, float] | None = None,
     ) -> dict[str, float]:
@@ -191,11 +196,11 @@ class AgentUpdater:
                 batch = pack([samples[i] for i in rows], agent.tokenizer.pad_token_id).to(device)
                 adv = torch.tensor([samples[i].advantage for i in rows], dtype=torch.float32, device=device)
                 entropy: list[torch.Tensor] = []
-                logp = forward_logprobs(model, batch, entropy if epoch == 0 else None)
+                logp = forward_logprobs(model, batch, entropy if epoch == 0 else None, temperature)
                 if epoch == 0:  # parameters have not moved yet: these are the behaviour log-probs
                     totals["entropy_sum"] += float((entropy[0] * batch.target_mask).sum())
                     old_logps.append(logp.detach())
-                    ref_logps.append(self._reference_logprobs(batch) if kl_coef > 0 else None)
+                    ref_logps.append(self._reference_logprobs(batch, temperature) if kl_coef > 0 else None)
                     is_weights.append(importance_weights(logp.detach(), [samples[i] for i in rows], batch.target_mask,
                                                           tis_cap, mismatch))
                 loss, stats = policy_loss(logp, old_logps[b], adv, batch.target_mask, weights[rows].to(device),
@@ -253,7 +258,7 @@ class AgentUpdater:
             offset += p.numel()
 
     @torch.no_grad()
-    def _reference_logprobs(self, batch: PackedBatch) -> torch.Tensor:
+    def _reference_logprobs(self, batch: PackedBatch, temperature: float) -> torch.Tensor:
         """The reference policy is the base model: the same weights with the adapter switched off."""
         with self.agent.model.disable_adapter():
-            return forward_logprobs(self.agent.model, batch)
+            return forward_logprobs(self.agent.model, batch, temperature=temperature)

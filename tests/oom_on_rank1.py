@@ -15,10 +15,10 @@ from magrpo.cli import main  # noqa: E402
 real = update.forward_logprobs
 
 
-def forward_logprobs(model, batch, entropy=None):
+def forward_logprobs(model, batch, *args):
     if os.environ.get("RANK") == "1" and batch.targets.shape[0] > 4:
         raise torch.OutOfMemoryError("CUDA out of memory (raised by the test on rank 1)")
-    return real(model, batch, entropy)
+    return real(model, batch, *args)
 
 
 update.forward_logprobs = forward_logprobs
