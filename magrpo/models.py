@@ -14,6 +14,9 @@ import torch
 from .config import ConfigError, TrainConfig
 
 
+CONTENT_SLOT = "\ue000magrpo-content\ue000"  # private-use characters: no chat template writes them
+
+
 def adapter_name(agent: int) -> str:
     return f"agent_{agent}"
 
@@ -61,9 +64,43 @@ class Agent:
         return text
 
     def encode_prompts(self, texts: list[str]) -> list[list[int]]:
-        # A chat template already carries its special tokens; raw text gets the tokenizer's own (e.g. BOS).
-        enc = self.tokenizer([self.format_prompt(t) for t in texts], add_special_tokens=not self.use_chat_template)
-        return enc["input_ids"]
+        """Prompt token ids. A chat template carries its own special tokens; raw text gets the
+        tokenizer's own (e.g. BOS). The text itself never yields a special token: a partner's
+        completion quoted in a feedback prompt may spell out `<|im_end|>` as plain characters."""
+        # One batched call for the usual prompts: their ids are exactly what tokenizing the whole
+        # formatted prompt gives. Texts that spell a special token take the slow, safe path.
+        specials = self._special_strings()
+        plain = [i for i, t in enumerate(texts) if not any(s in t for s in specials)]
+        out: list[list[int]] = [[] for _ in texts]
+        if plain:
+            enc = self.tokenizer([self.format_prompt(texts[i]) for i in plain],
+                                 add_special_tokens=not self.use_chat_template)
+            for i, ids in zip(plain, enc["input_ids"]):
+                out[i] = list(ids)
+        for i in sorted(set(range(len(texts))) - set(plain)):
+            out[i] = self._encode_literally(texts[i])
+        return out
+
+    def _special_strings(self) -> set[str]:
+        tok = self.tokenizer
+        added = getattr(tok, "added_tokens_decoder", {}) or {}
+        return {t.content for t in added.values() if getattr(t, "special", False)} | set(tok.all_special_tokens)
+
+    def _encode_literally(self, text: str) -> list[int]:
+        """`text` as characters (split_special_tokens), inside the chat template's own tokens."""
+        tok = self.tokenizer
+        if not self.use_chat_template:
+            return list(tok(text, add_special_tokens=True, split_special_tokens=True)["input_ids"])
+        rendered = self.format_prompt(CONTENT_SLOT)
+        if rendered.count(CONTENT_SLOT) != 1:  # a template that rewrites its content: break the tokens up
+            spaced = text
+            for special in self._special_strings():
+                spaced = spaced.replace(special, special[:1] + "\u200b" + special[1:])
+            return list(tok(self.format_prompt(spaced), add_special_tokens=False)["input_ids"])
+        before, after = rendered.split(CONTENT_SLOT)
+        return [*tok(before, add_special_tokens=False)["input_ids"],
+                *tok(text, add_special_tokens=False, split_special_tokens=True)["input_ids"],
+                *tok(after, add_special_tokens=False)["input_ids"]]
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         return [p for n, p in self.model.named_parameters() if f".{self.adapter}." in n]
