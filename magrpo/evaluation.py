@@ -2,7 +2,9 @@
 
 A path is a tree with K=1: each turn every agent writes one completion, the feedback function
 writes the next prompts. Per turn we report the env's outcomes (mean over paths), and, when the env
-reports "passed", pass@1 of the greedy paths and unbiased pass@k of the sampled ones.
+reports "passed", pass@1 of the greedy paths and unbiased pass@k of the sampled ones. A path that
+early termination stops (as in training) keeps its last outcome for the later turns: its answer
+stands, and every turn averages over every problem.
 """
 from __future__ import annotations
 
@@ -31,17 +33,25 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def run_paths(problems, env, backend, feedback, num_turns, sampling, seed: int | None = None,
-              world: World = World()) -> dict[int, list[tuple[int, dict]]]:
+              world: World = World(), early_termination_threshold: float | None = None,
+              on_reward_error: str = "raise") -> dict[int, list[tuple[int, dict]]]:
     """turn -> [(problem index, outcomes)] for one K=1 path per problem, in problem order. With
     several processes each runs its share of the problems and rank 0 gets them all (others: {})."""
     start, stop = world.shard(len(problems))
     mine: dict[int, list[tuple[int, dict]]] = defaultdict(list)
     if stop > start:  # more processes than problems: some have none
-        rollout = expand_trees(problems[start:stop], env, backend, feedback,
-                               TreeSettings(num_generations=1, num_turns=num_turns, joint_mode="align"), sampling,
+        settings = TreeSettings(1, num_turns, "align", early_termination_threshold, on_reward_error)
+        rollout = expand_trees(problems[start:stop], env, backend, feedback, settings, sampling,
                                seed=seed, tree_offset=start)
-        for node in rollout.nodes:  # K=1: one joint action per node
+        last: dict[int, tuple[int, dict]] = {}
+        for node in rollout.nodes:  # K=1: one joint action per node, turns in order
+            last[node.tree] = (node.turn, node.outcomes[0])
             mine[node.turn].append((start + node.tree, node.outcomes[0]))
+        for tree, (turn, outcome) in last.items():  # stopped early: the answer stands for the later turns
+            for later in range(turn + 1, num_turns):
+                mine[later].append((start + tree, outcome))
+        for turn in mine:
+            mine[turn].sort(key=lambda path: path[0])
     per_turn: dict[int, list[tuple[int, dict]]] = defaultdict(list)
     for part in world.gather(dict(mine)) or []:  # rank order is problem order
         for turn, paths in part.items():
@@ -59,13 +69,17 @@ def evaluate(
     num_samples: int,
     seed: int | None = None,
     world: World = World(),
+    early_termination_threshold: float | None = None,
+    on_reward_error: str = "raise",
 ) -> dict[str, float]:
-    """Eval metrics (on rank 0 when several processes share the problems); `seed` keys the sampled paths' streams."""
+    """Eval metrics (on rank 0 when several processes share the problems); `seed` keys the sampled
+    paths' streams; paths stop early, and score errors are handled, as in training."""
     start = time.perf_counter()
     out: dict[str, float] = {}
-    greedy = run_paths(problems, env, backend, feedback, num_turns, replace(sampling, greedy=True), world=world)
+    stop = dict(early_termination_threshold=early_termination_threshold, on_reward_error=on_reward_error)
+    greedy = run_paths(problems, env, backend, feedback, num_turns, replace(sampling, greedy=True), world=world, **stop)
     repeated = [p for p in problems for _ in range(num_samples)]
-    sampled = run_paths(repeated, env, backend, feedback, num_turns, sampling, seed, world) if num_samples else {}
+    sampled = run_paths(repeated, env, backend, feedback, num_turns, sampling, seed, world, **stop) if num_samples else {}
     for turn in sorted(greedy):
         for key in greedy[turn][0][1]:
             out[f"eval/turn_{turn}/greedy_{key}_mean"] = float(np.mean([o[key] for _, o in greedy[turn]]))

@@ -142,7 +142,8 @@ def _train(cfg: TrainConfig, env: Environment, feedback: Feedback, world: World)
         bar.write(f"magrpo: evaluating {len(eval_problems)} problem(s), greedy + {cfg.eval.num_samples} sample(s), "
                   f"{t.num_turns} turn(s)", file=sys.stderr)
         out = evaluate(env, backend, feedback, eval_problems, t.num_turns, sampling, cfg.eval.num_samples,
-                       seed=stream_key(t.seed, step, EVAL_STREAM), world=world)
+                       seed=stream_key(t.seed, step, EVAL_STREAM), world=world,
+                       early_termination_threshold=t.early_termination_threshold, on_reward_error=cfg.reward.on_error)
         if not world.is_main:
             return out
         last = t.num_turns - 1

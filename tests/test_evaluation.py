@@ -75,3 +75,31 @@ def test_envs_without_passed_report_reward_only():
                    sampling=SamplingParams(max_new_tokens=4), num_samples=3)
     assert out["eval/turn_0/reward_mean"] == 2.0 and out["eval/turn_0/greedy_reward_mean"] == 2.0
     assert not any("pass@" in key for key in out)
+
+
+def test_paths_stop_early_as_in_training_and_keep_their_answer():
+    """Threshold 1.0: a passing joint action ends its path. Greedy paths all pass at turn 0 (no turn-1
+    generation); sampled rows [p0, p0, p1, p1] write pass, fail, pass, fail, and only the two failing
+    ones go on: "pass" (p0) and "fail" (p1) at turn 1."""
+    backend = AlternatingBackend()
+    problems = [{"prompt": "p0"}, {"prompt": "p1"}]
+    out = evaluate(PassEnv(None), backend, Feedback(ExternalConfig(), None, feedback), problems, num_turns=2,
+                   sampling=SamplingParams(max_new_tokens=4), num_samples=2, early_termination_threshold=1.0)
+    assert backend.generate_calls == 3 and backend.greedy_calls == 1
+    assert out["eval/turn_1/pass@1_greedy"] == 1.0  # carried from turn 0
+    assert out["eval/turn_0/pass@1"] == pytest.approx(0.5)
+    assert out["eval/turn_1/pass@1"] == pytest.approx((2 / 2 + 1 / 2) / 2)
+    assert out["eval/turn_1/reward_mean"] == pytest.approx(3 / 4)
+
+
+def test_training_evaluation_honours_early_termination(make_cfg):
+    """Every joint action reaches the threshold: training and evaluation both stop after turn 0, so
+    turn 1's eval numbers are turn 0's answers (they used to come from a second, revised turn)."""
+    import json
+
+    from magrpo.trainer import train
+
+    run = train(make_cfg("trainer.early_termination_threshold=-1000", "trainer.steps=1", "eval.num_samples=2"))
+    last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["eval/turn_1/greedy_reward_mean"] == last["eval/turn_0/greedy_reward_mean"]
+    assert last["eval/turn_1/reward_mean"] == last["eval/turn_0/reward_mean"]
