@@ -136,6 +136,15 @@ def importance_weights(logp: torch.Tensor, samples: list[TrainSample], mask: tor
     return weight.clamp(max=tis_cap)
 
 
+def lora_train_mode(model: torch.nn.Module) -> None:
+    """Eval mode everywhere but the LoRA dropout: the frozen base model's own dropout (attention,
+    hidden) would otherwise make the trained log-probs differ from the sampling ones for no gain."""
+    model.eval()
+    for name, module in model.named_modules():
+        if name.rsplit(".", 2)[-2:-1] == ["lora_dropout"]:  # peft: ...lora_dropout.<adapter>
+            module.train()
+
+
 def trained_rows(samples: list[TrainSample], kl_coef: float) -> list[int]:
     """Zero-advantage sequences add nothing to the policy gradient: skip their forward unless KL needs it."""
     return [i for i, s in enumerate(samples) if s.advantage != 0.0 or kl_coef > 0]
@@ -182,7 +191,7 @@ class AgentUpdater:
         weights = sequence_weights(loss_agg, lengths, max_new_tokens, int(num_sequences), int(num_tokens))
         batches = micro_batches(samples, keep, micro_batch_size)
         model.set_adapter(agent.adapter)  # also makes only this adapter trainable
-        model.train()
+        lora_train_mode(model)
         old_logps: list[torch.Tensor] = []
         ref_logps: list[torch.Tensor | None] = []
         is_weights: list[torch.Tensor | None] = []
