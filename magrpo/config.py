@@ -109,6 +109,8 @@ class TrainerConfig:
     """Truncated importance sampling: weight each token's loss by min(p_trainer / p_sampler, tis_cap), correcting for the generation backend's own numerics (and top-k/top-p truncation, which the trainer does not apply); 0 = off."""
     seed: int = 0
     """Seeds python, numpy, torch, the data order and the sampling streams (one per tree, node, agent and sample: the same under any batching or number of processes)."""
+    max_sequences_per_step: int = 20_000
+    """Completions one step may generate at most (trees x nodes x agents x K, no early termination; cross mode grows as (K^N)^(T-1)); more is a config error at start-up; 0 = no cap."""
     max_bad_steps: int = 3
     """Updates with a NaN/inf loss or gradient are skipped (and counted); stop after this many steps in a row."""
     dist_timeout_min: float = 60.0
@@ -283,6 +285,7 @@ def validate(cfg: TrainConfig) -> None:
     _at_least("trainer.ppo_epochs", t.ppo_epochs, 1)
     _at_least("trainer.warmup_steps", t.warmup_steps, 0)
     _at_least("trainer.max_bad_steps", t.max_bad_steps, 0)
+    _at_least("trainer.max_sequences_per_step", t.max_sequences_per_step, 0)
     _choice("reward.on_error", cfg.reward.on_error, ["raise", "zero"])
     _at_least("checkpoint.every", cfg.checkpoint.every, 0)
     _at_least("checkpoint.keep", cfg.checkpoint.keep, 1)
@@ -351,6 +354,22 @@ def validate(cfg: TrainConfig) -> None:
     for i, name in enumerate([cfg.model.name] + [a.model for a in cfg.agents if a.model]):
         key = "model.name" if i == 0 else "agents[].model"
         _check_model_name(key, name)
+
+
+def check_tree_size(cfg: TrainConfig, num_agents: int) -> tuple[int, int]:
+    """(nodes, completions) per step without early termination; a ConfigError above the cap."""
+    from .tree import tree_size
+
+    t = cfg.trainer
+    nodes, completions = tree_size(t.joint_mode, t.num_generations, num_agents, t.num_turns)
+    nodes, completions = nodes * t.batch_size, completions * t.batch_size
+    if t.max_sequences_per_step and completions > t.max_sequences_per_step:
+        raise ConfigError("trainer.max_sequences_per_step", (
+            f"this tree samples {completions:,} completions per step ({nodes:,} nodes: {t.joint_mode} mode, "
+            f"N={num_agents}, K={t.num_generations}, T={t.num_turns}, batch {t.batch_size}), above the cap of "
+            f"{t.max_sequences_per_step:,}; lower K, T or the batch, use align mode or early termination, "
+            f"or raise the cap"))
+    return nodes, completions
 
 
 VLLM_INSTALL = ("pip install 'magrpo[vllm]' on a CUDA machine, or bash scripts/setup_vllm.sh on an x86 CPU "

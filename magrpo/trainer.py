@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from . import checkpoint
-from .config import TrainConfig, validate
+from .config import TrainConfig, check_tree_size, validate
 from .distributed import World, reduce_counters, world_from_env
 from .env import Environment, make_env
 from .evaluation import evaluate
@@ -57,6 +57,7 @@ def prepare(cfg: TrainConfig) -> tuple[Environment, Feedback]:
     key included)."""
     validate(cfg)
     env = make_env(cfg.env)
+    check_tree_size(cfg, env.num_agents)
     feedback = Feedback(cfg.external, env)
     feedback.check()
     return env, feedback
@@ -120,8 +121,9 @@ def _train(cfg: TrainConfig, env: Environment, feedback: Feedback, world: World)
     sampling = SamplingParams(g.max_new_tokens, g.temperature, g.top_p, g.top_k, logprobs=True)
     if world.is_main:
         procs = f", {world.size} processes" if world.size > 1 else ""
+        nodes, completions = check_tree_size(cfg, env.num_agents)
         print(f"magrpo: {env.num_agents} agent(s), K={t.num_generations}, T={t.num_turns}, {t.joint_mode}{procs}; "
-              f"run dir {run_dir}", file=sys.stderr)
+              f"up to {nodes:,} nodes and {completions:,} completions per step; run dir {run_dir}", file=sys.stderr)
     bar = _progress(t.steps, cfg.logging.progress and world.is_main, initial=first_step - 1)
     stop = _StopSignals()
 

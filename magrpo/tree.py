@@ -32,6 +32,14 @@ def joint_actions(mode: str, k: int, n: int) -> np.ndarray:
     return JOINT_MODES.get(mode)(k, n)
 
 
+def tree_size(mode: str, k: int, n: int, num_turns: int) -> tuple[int, int]:
+    """(nodes, completions) of one tree when no branch stops early: J joint actions per node
+    (align K, cross K^N) make J^t nodes at turn t, and every node samples K completions per agent."""
+    per_node = len(joint_actions(mode, k, n))
+    nodes = sum(per_node ** t for t in range(num_turns))
+    return nodes, nodes * n * k
+
+
 @dataclass
 class Completion:
     """One sampled completion: the generated token ids are the source of truth for the loss."""

@@ -18,7 +18,7 @@ from magrpo.generation import SamplingParams
 from magrpo.config import ExternalConfig
 from magrpo.feedback import Feedback
 from magrpo.rollout import TreeSettings, assign_advantages, expand_trees
-from magrpo.tree import Completion, count_leaves
+from magrpo.tree import Completion, count_leaves, tree_size
 
 PROBLEMS = [{"prompt": "P0", "offset": 0.0}, {"prompt": "P1", "offset": 0.25}]
 B = len(PROBLEMS)
@@ -143,6 +143,26 @@ def test_tree_shape_and_call_counts(mode, n, t, k):
     expanding = sum(c is not None for node in nodes for c in node.children)
     assert len(fb.calls) == expanding == sum(per_turn[1:])
     assert backend.sync_calls == 0
+    # the start-up estimate is exact when nothing stops early
+    assert tree_size(mode, k, n, t) == (len(nodes) // B, len(nodes) // B * n * k)
+
+
+def test_tree_size_by_hand():
+    assert tree_size("cross", 3, 3, 3) == (1 + 27 + 27**2, 757 * 3 * 3)  # the N=3, K=3, T=3: 757 nodes
+    assert tree_size("align", 4, 2, 2) == (1 + 4, 5 * 2 * 4)
+
+
+def test_a_tree_above_the_cap_is_a_config_error_before_any_model_loads(make_cfg):
+    from magrpo.config import ConfigError
+    from magrpo.trainer import prepare
+
+    big = ("trainer.joint_mode=cross", "trainer.num_turns=3", "trainer.num_generations=3", "env.num_agents=3",
+           "trainer.batch_size=4")
+    with pytest.raises(ConfigError, match=r"trainer.max_sequences_per_step: this tree samples 27,252 completions per "
+                                          r"step \(3,028 nodes: cross mode, N=3, K=3, T=3, batch 4\), above the cap of 20,000"):
+        prepare(make_cfg(*big))
+    prepare(make_cfg(*big, "trainer.max_sequences_per_step=0"))  # no cap
+    prepare(make_cfg(*big, "trainer.max_sequences_per_step=30000"))
 
 
 @pytest.mark.parametrize("mode, n, t, k", [("align", 2, 3, 2), ("cross", 2, 2, 2), ("cross", 3, 2, 3), ("align", 1, 2, 3)])
