@@ -29,6 +29,7 @@ class Environment:
     Config: ClassVar[type]
     default_feedback: ClassVar[str | None] = None  # feedback mode that suits this env best (documentation)
     context_keys: ClassVar[frozenset[str]] = frozenset()  # keys score() puts in every feedback context
+    split_keys: ClassVar[dict[str, str]] = {}  # "train"/"eval" -> the env.* key that picks it (named in errors)
 
     def __init__(self, cfg: Any):
         self.cfg = cfg
@@ -75,6 +76,24 @@ class Environment:
 
 
 ENVS: Registry[type[Environment]] = Registry("env")
+
+
+class EnvError(RuntimeError):
+    """An env method raised (reported as one line by the CLI, naming the method)."""
+
+
+def call_env(env: Environment, method: str, *args: Any, where: str) -> Any:
+    """env.method(*args); a raise becomes an EnvError naming the method and `where` (the turn).
+    ConfigError passes: bad input found while loading data is reported as such."""
+    from .config import ConfigError
+    from .errors import describe, qualified_name
+
+    try:
+        return getattr(env, method)(*args)
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001  (user code: any error)
+        raise EnvError(f"{qualified_name(type(env))}.{method} raised {where}: {describe(e)}") from e
 
 
 def make_env(env_cfg: Mapping[str, Any]) -> Environment:

@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+from .errors import describe, qualified_name
 from .registry import Registry
 
 FeedbackFn = Callable[..., Sequence[str]]
@@ -102,16 +103,25 @@ def _accepted(fn: Callable) -> Callable[[dict], dict]:
 def call_feedback(fn: FeedbackFn, name: str, branch: Branch, select: Callable[[dict], dict] | None = None) -> list[str]:
     num_agents = len(branch.agent_completions)
     select = select or _accepted(fn)
-    # Copies: the tree keeps these lists, and a function that edits its arguments must not corrupt it.
-    prompts = fn(
-        prompt=branch.prompt,
-        agent_completions=list(branch.agent_completions),
-        num_agents=num_agents,
-        prompt_history_per_agent=[list(h) for h in branch.prompt_history],
-        response_history_per_agent=[list(h) for h in branch.response_history],
-        **select(dict(branch.context)),
-    )
+    try:
+        # Copies: the tree keeps these lists, and a function that edits its arguments must not corrupt it.
+        prompts = fn(
+            prompt=branch.prompt,
+            agent_completions=list(branch.agent_completions),
+            num_agents=num_agents,
+            prompt_history_per_agent=[list(h) for h in branch.prompt_history],
+            response_history_per_agent=[list(h) for h in branch.response_history],
+            **select(dict(branch.context)),
+        )
+    except Exception as e:  # noqa: BLE001  (user code: any error stops the run with one line)
+        raise raised(name, fn, [branch], e) from e
     return check_prompts(prompts, num_agents, name)
+
+
+def raised(name: str, fn: Any, branches: list[Branch], error: Exception) -> FeedbackError:
+    """The one-line error for a feedback function or mode that raised: its name, the turn, the error."""
+    turn = len(branches[0].prompt_history[0]) - 1 if branches and branches[0].prompt_history else "?"
+    return FeedbackError(f"feedback function {name!r} ({qualified_name(fn)}) raised at turn {turn}: {describe(error)}")
 
 
 def check_prompts(prompts: Any, num_agents: int, name: str) -> list[str]:
@@ -160,7 +170,12 @@ class Feedback:
         for branch in branches:
             branch.context.setdefault("options", self.options)
         if self.mode is not None:
-            out = self.mode.batch(branches)
+            try:
+                out = self.mode.batch(branches)
+            except FeedbackError:
+                raise
+            except Exception as e:  # noqa: BLE001  (user code)
+                raise raised(self.name, self.mode.batch, branches, e) from e
             if len(out) != len(branches):
                 raise FeedbackError(f"feedback mode {self.name!r} returned {len(out)} prompt lists for {len(branches)} branches")
             return [check_prompts(p, len(b.agent_completions), self.name) for p, b in zip(out, branches)]
