@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Sequence
 
 from .config import ConfigError, TrainConfig
-from .env import EnvError
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 USAGE = """usage: python train.py [key=value ...] [group=option ...] [--cfg] [--help]
@@ -156,14 +155,12 @@ def report(kind: str, error: BaseException, code: int, text: str | None = None) 
     import traceback
 
     from .errors import describe
-    from .feedback import FeedbackError
-    from .rollout import RewardError
-    from .trainer import TrainingError
 
     if os.environ.get(DEBUG_VAR, "") not in ("", "0"):
         traceback.print_exception(error, file=sys.stderr)
-    ours = (ConfigError, FeedbackError, RewardError, TrainingError, EnvError)
-    line = text or (" ".join(str(error).split()) if isinstance(error, ours) else f"unexpected {describe(error)}")
+    # Our own errors (FeedbackError, RewardError, SyncError, ...) are written as one line for the user.
+    ours = type(error).__module__.partition(".")[0] in ("magrpo", "envs", "external")
+    line = text or (" ".join(str(error).split()) if ours else f"unexpected {describe(error)}")
     where = [n for n in getattr(error, "__notes__", []) if n.startswith("traceback in ")]
     hint = f" ({where[0]}; {DEBUG_VAR}=1 prints it)" if where else (f" ({DEBUG_VAR}=1 prints the traceback)" if code == 1 else "")
     print(f"{kind}: {line}{hint}", file=sys.stderr)

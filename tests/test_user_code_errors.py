@@ -126,3 +126,15 @@ def test_raising_feedback_from_the_command_line_exits_1(tmp_path):
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error")]
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert len(errors) == 1 and "tests.feedback_probe.raises) raised at turn 0: RuntimeError: " in errors[0], errors
+
+
+def test_an_error_that_is_not_ours_is_one_line_too(run_main, monkeypatch):
+    import magrpo.update
+
+    def broken(*args, **kwargs):
+        raise IndexError("a bug deep in the update")
+
+    monkeypatch.setattr(magrpo.update, "policy_loss", broken)
+    code, errors, err = run_main("trainer.steps=1", "trainer.kl_coef=0.01")  # KL: every row trains
+    assert code == 1 and "Traceback" not in err, err
+    assert len(errors) == 1 and errors[0].startswith("error: unexpected IndexError: a bug deep in the update (traceback in ")
