@@ -417,6 +417,8 @@ def _validate_backend(cfg: TrainConfig) -> None:
 
 def _check_model_name(key: str, name: str) -> None:
     """A path-like name must exist; `org/name` or a bare name is a hub id (checked when loading)."""
+    if not name.strip():
+        raise ConfigError(key, "is empty; give a hub id like org/name, a local model folder, tiny or smollm2-135m")
     looks_like_path = name.startswith((".", "/", "~")) or name.count("/") > 1
     if looks_like_path and not os.path.isdir(os.path.expanduser(name)):
         raise ConfigError(key, f"{name!r} is not an existing folder (give a local model folder or a hub id like org/name)")

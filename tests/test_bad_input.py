@@ -74,6 +74,7 @@ CASES = [
     (["lora.target_modules=[]"], "lora.target_modules", ["at least one"]),
     (["model.tiny_hidden_size=12"], "model.tiny_hidden_size", ["multiple of 8"]),
     (["model.tiny_layers=0"], "model.tiny_layers", [">= 1"]),
+    (["model.name=''"], "model.name", ["is empty"]),
     (["env.ratio=0"], "env.ratio", ["> 0"]),
     (["env.target_chars=0"], "env.target_chars", [">= 1"]),
     (["env.num_agents=0"], "env.num_agents", [">= 1"]),
