@@ -50,6 +50,7 @@ CASES = [
     ([*CODE, "env.dataset={tmp}/bad.jsonl"], "env.dataset", ["bad.jsonl line 3: not valid JSON"]),
     ([*CODE, "env.dataset={tmp}/fields.jsonl"], "env.dataset", ["fields.jsonl line 2: record lacks string field(s) test, entry_point"]),
     ([*CODE, "env.dataset={tmp}/list.jsonl"], "env.dataset", ["list.jsonl line 1: expected a JSON object"]),
+    ([*CODE, "env.dataset={tmp}/empty.jsonl"], "env.dataset", ["empty.jsonl: no records (the file is empty)"]),
     ([*CODE, "env.dataset={tmp}/folder.jsonl"], "env.dataset", ["folder.jsonl: a folder, not a file"]),
     ([*CODE, "env.dataset={tmp}/broken.jsonl.gz"], "env.dataset", ["broken.jsonl.gz: cannot read it (BadGzipFile"]),
     ([*CODE, "env.dataset=mbpp"], "env.dataset", ["OpenMLRL/MBPP is unavailable", "env.dataset=path/to/mbpp.jsonl"]),
@@ -87,6 +88,7 @@ def test_bad_input_is_one_line_exit_2_and_no_run_dir(run_main, tmp_path, overrid
     jsonl(tmp_path / "bad.jsonl", GOOD, "", "{not json")
     jsonl(tmp_path / "fields.jsonl", GOOD, json.dumps({"task_id": "t/1", "prompt": "def g():\n"}))
     jsonl(tmp_path / "list.jsonl", "[1, 2]")
+    jsonl(tmp_path / "empty.jsonl", "", "  ")
     (tmp_path / "folder.jsonl").mkdir()
     (tmp_path / "broken.jsonl.gz").write_bytes(b"not gzip")
     (tmp_path / "file").write_text("not a folder")

@@ -368,9 +368,12 @@ def _read_jsonl(path: Path) -> list[dict]:
     opener = gzip.open if path.suffix == ".gz" else open
     try:
         with opener(path, "rt", encoding="utf-8") as f:
-            return [_record(path, number, line) for number, line in enumerate(f, start=1) if line.strip()]
+            records = [_record(path, number, line) for number, line in enumerate(f, start=1) if line.strip()]
     except (OSError, EOFError, UnicodeDecodeError) as e:  # unreadable, a folder, a broken .gz, not UTF-8
         raise DatasetError(f"{path}: cannot read it ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+    if not records:  # said here: an empty split would blame the split spec
+        raise DatasetError(f"{path}: no records (the file is empty)")
+    return records
 
 
 def _record(path: Path, number: int, line: str) -> dict:
