@@ -6,6 +6,7 @@ import json
 import time
 
 import pytest
+import torch
 
 import magrpo.models
 from magrpo.cli import main
@@ -22,6 +23,7 @@ def run_main(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # never the network: the shipped HumanEval, no hub lookups
     monkeypatch.setenv("HF_HOME", str(tmp_path / ".hf"))
     monkeypatch.setattr(magrpo.models, "load_agents", lambda *a, **k: pytest.fail("a model was loaded"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # model.device=cuda fails on GPU machines too
 
     def run(*overrides: str) -> tuple[int, list[str]]:
         code = main([*SMALL, *overrides])
@@ -104,8 +106,6 @@ def test_bad_input_is_one_line_exit_2_and_no_run_dir(run_main, tmp_path, overrid
 
 
 def test_cuda_index_beyond_the_devices_is_one_line(run_main, monkeypatch):
-    import torch
-
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     code, lines = run_main("model.device=cuda:2")
