@@ -381,6 +381,7 @@ def validate(cfg: TrainConfig) -> None:
     if x.backend == "hf" and not x.model:
         raise ConfigError("external.expert.model", "required with external.expert.backend=hf: a hub id or a local model folder")
     _choice("logging.wandb.mode", cfg.logging.wandb.mode, ["auto", "disabled", "offline", "online"])
+    _check_wandb_key(cfg.logging.wandb.mode)
     _at_least("logging.every", cfg.logging.every, 0)
     _at_least("logging.samples_every", cfg.logging.samples_every, 0)
     if is_main_process():  # only rank 0 writes the run dir
@@ -455,3 +456,13 @@ def _check_run_dir(run_dir: Optional[str]) -> None:
         tempfile.TemporaryFile(dir=existing).close()
     except OSError as e:
         raise ConfigError("logging.run_dir", f"{shown!r}: cannot write in {str(existing)!r} ({e.strerror or e})") from None
+
+
+def _check_wandb_key(mode: str) -> None:
+    """online without an API key fails inside wandb.init, after the model loaded and the run dir
+    was made; the key is looked up where `auto` looks (WANDB_API_KEY, ~/.netrc; $NETRC is wandb's)."""
+    from .run_io import wandb_mode
+
+    if mode == "online" and not os.environ.get("NETRC") and wandb_mode("auto") != "online":
+        raise ConfigError("logging.wandb.mode", "online needs a wandb API key (set WANDB_API_KEY or run `wandb login`); "
+                          "or use auto or offline (`wandb sync` uploads later)")

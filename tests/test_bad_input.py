@@ -22,6 +22,9 @@ def run_main(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # never the network: the shipped HumanEval, no hub lookups
     monkeypatch.setenv("HF_HOME", str(tmp_path / ".hf"))
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc holding a wandb key
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("NETRC", raising=False)
     monkeypatch.setattr(magrpo.models, "load_agents", lambda *a, **k: pytest.fail("a model was loaded"))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # model.device=cuda fails on GPU machines too
 
@@ -66,6 +69,7 @@ CASES = [
     (["logging.run_dir={tmp}/file"], "logging.run_dir", ["is a file, not a folder"]),
     (["logging.run_dir={tmp}/file/run"], "logging.run_dir", ["file' is a file, not a folder"]),
     (["logging.run_dir=/proc/magrpo-run"], "logging.run_dir", ["cannot write in '/proc'"]),
+    (["logging.wandb.mode=online"], "logging.wandb.mode", ["WANDB_API_KEY", "wandb login"]),
     (["trainer.lr=nan"], "trainer.lr", ["finite"]),
     (["trainer.kl_coef=inf"], "trainer.kl_coef", ["finite"]),
     (["generation.temperature=nan"], "generation.temperature", ["finite"]),
