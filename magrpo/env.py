@@ -6,6 +6,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Mapping, Sequence
 
+from .errors import describe, qualified_name, user_code
 from .registry import Registry
 
 
@@ -85,15 +86,8 @@ class EnvError(RuntimeError):
 def call_env(env: Environment, method: str, *args: Any, where: str) -> Any:
     """env.method(*args); a raise becomes an EnvError naming the method and `where` (the turn).
     ConfigError passes: bad input found while loading data is reported as such."""
-    from .config import ConfigError
-    from .errors import describe, qualified_name
-
-    try:
+    with user_code(lambda e: EnvError(f"{qualified_name(type(env))}.{method} raised {where}: {describe(e)}")):
         return getattr(env, method)(*args)
-    except ConfigError:
-        raise
-    except Exception as e:  # noqa: BLE001  (user code: any error)
-        raise EnvError(f"{qualified_name(type(env))}.{method} raised {where}: {describe(e)}") from e
 
 
 def make_env(env_cfg: Mapping[str, Any]) -> Environment:
@@ -105,7 +99,9 @@ def make_env(env_cfg: Mapping[str, Any]) -> Environment:
     if name not in ENVS:
         raise ConfigError("env.name", f"{name!r} is not allowed; choose one of: {', '.join(ENVS.names())}")
     cls = ENVS.get(name)
-    return cls(_build(cls.Config, values, "env", f"env {name!r}"))
+    config = _build(cls.Config, values, "env", f"env {name!r}")
+    with user_code(lambda e: EnvError(f"{qualified_name(cls)}.__init__ raised at start-up: {describe(e)}")):
+        return cls(config)
 
 
 def _build(schema: type, values: Mapping[str, Any], prefix: str, owner: str) -> Any:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import time
 import traceback
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 ERROR_LOG = "error.log"
 
@@ -22,6 +23,20 @@ def describe(error: BaseException) -> str:
     """`Type: first line of the message`, never more than one line."""
     lines = str(error).strip().splitlines()
     return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+
+
+@contextmanager
+def user_code(error: Callable[[Exception], Exception], keep: tuple[type[Exception], ...] = ()) -> Iterator[None]:
+    """Run user code: any exception becomes error(exception), raised from it (the traceback stays for
+    error.log). A ConfigError (bad input the code found) and the `keep` types pass unchanged."""
+    from .config import ConfigError
+
+    try:
+        yield
+    except (ConfigError, *keep):
+        raise
+    except Exception as e:  # noqa: BLE001  (user code: any error)
+        raise error(e) from e
 
 
 def log_traceback(run_dir: Path, error: BaseException) -> Path | None:

@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from .errors import describe, qualified_name
+from .errors import describe, qualified_name, user_code
 from .registry import Registry
 
 FeedbackFn = Callable[..., Sequence[str]]
@@ -103,7 +103,7 @@ def _accepted(fn: Callable) -> Callable[[dict], dict]:
 def call_feedback(fn: FeedbackFn, name: str, branch: Branch, select: Callable[[dict], dict] | None = None) -> list[str]:
     num_agents = len(branch.agent_completions)
     select = select or _accepted(fn)
-    try:
+    with user_code(lambda e: raised(name, fn, f"at turn {turn_of([branch])}", e)):
         # Copies: the tree keeps these lists, and a function that edits its arguments must not corrupt it.
         prompts = fn(
             prompt=branch.prompt,
@@ -113,15 +113,17 @@ def call_feedback(fn: FeedbackFn, name: str, branch: Branch, select: Callable[[d
             response_history_per_agent=[list(h) for h in branch.response_history],
             **select(dict(branch.context)),
         )
-    except Exception as e:  # noqa: BLE001  (user code: any error stops the run with one line)
-        raise raised(name, fn, [branch], e) from e
     return check_prompts(prompts, num_agents, name)
 
 
-def raised(name: str, fn: Any, branches: list[Branch], error: Exception) -> FeedbackError:
-    """The one-line error for a feedback function or mode that raised: its name, the turn, the error."""
-    turn = len(branches[0].prompt_history[0]) - 1 if branches and branches[0].prompt_history else "?"
-    return FeedbackError(f"feedback function {name!r} ({qualified_name(fn)}) raised at turn {turn}: {describe(error)}")
+def turn_of(branches: list[Branch]) -> int | str:
+    """The turn being expanded: the histories hold one prompt per turn up to and including it."""
+    return len(branches[0].prompt_history[0]) - 1 if branches and branches[0].prompt_history else "?"
+
+
+def raised(name: str, fn: Any, when: str, error: Exception) -> FeedbackError:
+    """The one-line error for a feedback function or mode that raised: its name, when, the error."""
+    return FeedbackError(f"feedback function {name!r} ({qualified_name(fn)}) raised {when}: {describe(error)}")
 
 
 def check_prompts(prompts: Any, num_agents: int, name: str) -> list[str]:
@@ -148,7 +150,9 @@ class Feedback:
         self.max_concurrency = external_cfg.max_concurrency
         self.options = options_of(external_cfg)
         target = target or resolve_feedback(self.name)
-        self.mode = target(external_cfg, env) if isinstance(target, type) and issubclass(target, FeedbackMode) else None
+        is_mode = isinstance(target, type) and issubclass(target, FeedbackMode)
+        with user_code(lambda e: raised(self.name, target, "at start-up", e)):
+            self.mode = target(external_cfg, env) if is_mode else None
         self.fn = None if self.mode is not None else target
         self._select = _accepted(self.fn) if self.fn is not None else None
         self.env = env
@@ -164,18 +168,16 @@ class Feedback:
                               f"{type(self.env).__name__} does not provide ({', '.join(missing)}); use it with env=code "
                               f"or pick a generic mode such as plain")
         if self.mode is not None:
-            self.mode.check()
+            with user_code(lambda e: raised(self.name, self.mode.check, "at start-up", e)):
+                self.mode.check()
 
     def __call__(self, branches: list[Branch]) -> list[list[str]]:
         for branch in branches:
             branch.context.setdefault("options", self.options)
         if self.mode is not None:
-            try:
+            failed = lambda e: raised(self.name, self.mode.batch, f"at turn {turn_of(branches)}", e)  # noqa: E731
+            with user_code(failed, keep=(FeedbackError,)):
                 out = self.mode.batch(branches)
-            except FeedbackError:
-                raise
-            except Exception as e:  # noqa: BLE001  (user code)
-                raise raised(self.name, self.mode.batch, branches, e) from e
             if len(out) != len(branches):
                 raise FeedbackError(f"feedback mode {self.name!r} returned {len(out)} prompt lists for {len(branches)} branches")
             return [check_prompts(p, len(b.agent_completions), self.name) for p, b in zip(out, branches)]

@@ -13,6 +13,7 @@ import pytest
 
 from envs.length_ratio import LengthRatioEnv
 from magrpo.cli import main
+from magrpo.feedback import FeedbackMode
 from tests.conftest import ROOT, SMALL
 
 CALLS = {"n": 0, "fail_after": 4}  # B=2, K=2 align: 4 expanding branches per step, so call 5 is in step 2
@@ -81,15 +82,24 @@ def test_raising_env_score_keeps_its_one_line_and_logs_the_traceback(run_main, t
     assert "ZeroDivisionError" in (tmp_path / "run" / "error.log").read_text()
 
 
-def test_raising_env_at_start_up_is_one_line_and_no_run_dir(run_main, tmp_path, monkeypatch):
-    def problems(self, split):
-        raise OSError("the problem server is down")
+def _raise(error):
+    def method(self, *args):
+        raise error
 
-    monkeypatch.setattr(LengthRatioEnv, "problems", problems)
+    return method
+
+
+@pytest.mark.parametrize("method,error,line", [
+    ("problems", OSError("the problem server is down"), "envs.length_ratio.LengthRatioEnv.problems raised loading "
+                                                        "the train split: OSError: the problem server is down"),
+    ("__init__", FileNotFoundError("topics.txt"), "envs.length_ratio.LengthRatioEnv.__init__ raised at start-up: "
+                                                  "FileNotFoundError: topics.txt"),
+])
+def test_raising_env_at_start_up_is_one_line_and_no_run_dir(run_main, tmp_path, monkeypatch, method, error, line):
+    monkeypatch.setattr(LengthRatioEnv, method, _raise(error))
     code, errors, err = run_main()
     assert code == 1 and "Traceback" not in err, err
-    assert errors == ["error: envs.length_ratio.LengthRatioEnv.problems raised loading the train split: "
-                      "OSError: the problem server is down (MAGRPO_DEBUG=1 prints the traceback)"]
+    assert errors == [f"error: {line} (MAGRPO_DEBUG=1 prints the traceback)"]
     assert not (tmp_path / "run").exists()
 
 
@@ -138,3 +148,32 @@ def test_an_error_that_is_not_ours_is_one_line_too(run_main, monkeypatch):
     code, errors, err = run_main("trainer.steps=1", "trainer.kl_coef=0.01")  # KL: every row trains
     assert code == 1 and "Traceback" not in err, err
     assert len(errors) == 1 and errors[0].startswith("error: unexpected IndexError: a bug deep in the update (traceback in ")
+
+
+class BrokenMode(FeedbackMode):
+    """A user's feedback mode whose start-up check or batch raises, as the test asks."""
+
+    fail_in = "check"
+
+    def check(self):
+        if self.fail_in == "check":
+            raise ConnectionError("no server")
+
+    def batch(self, branches):
+        raise TimeoutError("the expert took too long")
+
+
+@pytest.mark.parametrize("fail_in,line", [
+    ("check", "error: feedback function 'tests.test_user_code_errors:BrokenMode' "
+              "(tests.test_user_code_errors.BrokenMode.check) raised at start-up: ConnectionError: no server "
+              "(MAGRPO_DEBUG=1 prints the traceback)"),
+    ("batch", "error: feedback function 'tests.test_user_code_errors:BrokenMode' "
+              "(tests.test_user_code_errors.BrokenMode.batch) raised at turn 0: TimeoutError: the expert took too long "
+              "(traceback in {run}/error.log; MAGRPO_DEBUG=1 prints it)"),
+])
+def test_raising_feedback_mode_is_one_line(run_main, tmp_path, monkeypatch, fail_in, line):
+    monkeypatch.setattr(BrokenMode, "fail_in", fail_in)
+    code, errors, err = run_main("external.mode=tests.test_user_code_errors:BrokenMode", "trainer.steps=1")
+    assert code == 1 and "Traceback" not in err, err
+    assert errors == [line.format(run=tmp_path / "run")]
+    assert (tmp_path / "run").exists() == (fail_in == "batch")  # start-up errors come before the run dir
