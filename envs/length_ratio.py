@@ -42,6 +42,17 @@ class LengthRatioEnv(Environment):
         """Problems in the eval split."""
 
     default_feedback = "length_ratio"
+    split_keys = {"train": "env.train_size", "eval": "env.eval_size"}
+
+    def __init__(self, cfg: Any):
+        super().__init__(cfg)
+        from magrpo.config import above, at_least
+
+        at_least("env.num_agents", cfg.num_agents, 1)
+        above("env.ratio", cfg.ratio, 0)
+        at_least("env.target_chars", cfg.target_chars, 1)
+        at_least("env.train_size", cfg.train_size, 1)
+        at_least("env.eval_size", cfg.eval_size, 0)
 
     @property
     def num_agents(self) -> int:

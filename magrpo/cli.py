@@ -126,28 +126,42 @@ def main(argv: Sequence[str]) -> int:
     import envs  # noqa: F401
     import external  # noqa: F401
 
-    from .trainer import TrainingError, prepare, train
+    from .trainer import prepare, train
 
     try:
         cfg = compose(overrides)
         prepared = prepare(cfg)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
-    if show:
-        from omegaconf import OmegaConf
+        if show:
+            from omegaconf import OmegaConf
 
-        print(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
-        return 0
-    from .feedback import FeedbackError
-    from .rollout import RewardError
-
-    try:
+            print(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+            return 0
         train(cfg, prepared)
-    except ConfigError as e:  # found only while loading, e.g. a hub id that cannot be fetched
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
-    except (FeedbackError, RewardError, TrainingError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    except ConfigError as e:  # bad input; a hub id that cannot be fetched is found only while loading
+        return report("config error", e, 2)
+    except KeyboardInterrupt as e:  # a second signal (or Ctrl-C during start-up)
+        return report("stopped", e, 130, "interrupted; resume=auto continues from the last complete checkpoint, if any")
+    except Exception as e:  # noqa: BLE001  (user code and everything else: one line, traceback kept)
+        return report("error", e, 1)
     return 0
+
+
+DEBUG_VAR = "MAGRPO_DEBUG"  # =1: print the full traceback above the one-line error
+
+
+def report(kind: str, error: BaseException, code: int, text: str | None = None) -> int:
+    """One line on stderr: `kind: message` plus where the traceback is; returns the exit code."""
+    import os
+    import traceback
+
+    from .errors import describe
+
+    if os.environ.get(DEBUG_VAR, "") not in ("", "0"):
+        traceback.print_exception(error, file=sys.stderr)
+    # Our own errors (FeedbackError, RewardError, SyncError, ...) are written as one line for the user.
+    ours = type(error).__module__.partition(".")[0] in ("magrpo", "envs", "external")
+    line = text or (" ".join(str(error).split()) if ours else f"unexpected {describe(error)}")
+    where = [n for n in getattr(error, "__notes__", []) if n.startswith("traceback in ")]
+    hint = f" ({where[0]}; {DEBUG_VAR}=1 prints it)" if where else (f" ({DEBUG_VAR}=1 prints the traceback)" if code == 1 else "")
+    print(f"{kind}: {line}{hint}", file=sys.stderr)
+    return code

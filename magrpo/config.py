@@ -2,8 +2,12 @@
 types are rejected while composing); `validate` checks values before any model loads."""
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
+import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional
 
 
@@ -28,7 +32,7 @@ class ModelConfig:
     chat_template: str = "auto"
     """auto: wrap prompts with the tokenizer's chat template when it has one; never: raw text."""
     tiny_hidden_size: int = 128
-    """Only for name=tiny: hidden size of the locally built model."""
+    """Only for name=tiny: hidden size of the locally built model (a multiple of 8)."""
     tiny_layers: int = 2
     """Only for name=tiny: number of transformer layers."""
 
@@ -44,7 +48,7 @@ class LoraConfig:
     r: int = 16
     """LoRA rank."""
     alpha: int = 32
-    """LoRA scaling numerator (scale = alpha / r)."""
+    """LoRA scaling numerator (scale = alpha / r; > 0)."""
     dropout: float = 0.0
     """Dropout on the LoRA input."""
     target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
@@ -102,13 +106,13 @@ class TrainerConfig:
     ppo_epochs: int = 1
     """Optimizer steps per rollout batch; > 1 uses the clipped ratio against the first pass's log-probs."""
     clip_eps: float = 0.2
-    """PPO ratio clip when ppo_epochs > 1."""
+    """PPO ratio clip when ppo_epochs > 1 (> 0)."""
     kl_coef: float = 0.0
     """k3 KL to the reference (base model, adapter disabled); 0 = off."""
     tis_cap: float = 0.0
     """Truncated importance sampling: weight each token's loss by min(p_trainer / p_sampler, tis_cap), correcting for the generation backend's own numerics (and top-k/top-p truncation, which the trainer does not apply); 0 = off."""
     seed: int = 0
-    """Seeds python, numpy, torch, the data order and the sampling streams (one per tree, node, agent and sample: the same under any batching or number of processes)."""
+    """In [0, 2**32). Seeds python, numpy, torch, the data order and the sampling streams (one per tree, node, agent and sample: the same under any batching or number of processes)."""
     max_sequences_per_step: int = 20_000
     """Completions one step may generate at most (trees x nodes x agents x K, no early termination; cross mode grows as (K^N)^(T-1)); more is a config error at start-up; 0 = no cap."""
     max_bad_steps: int = 3
@@ -158,7 +162,7 @@ class WandbConfig:
 @dataclass
 class LoggingConfig:
     run_dir: Optional[str] = None
-    """Run output folder; null = runs/<env>-<timestamp>."""
+    """Run output folder; null = runs/<env>-<timestamp>. Checked at start-up (not a file, writable), created only after every check passed."""
     progress: bool = True
     """Console output: a progress bar and a summary line every `logging.every` steps; false = quiet (errors only)."""
     every: int = 1
@@ -269,6 +273,25 @@ def _at_least(key: str, value: float, low: float, why: str = "") -> None:
         raise ConfigError(key, f"must be >= {low}, got {value}" + (f" ({why})" if why else ""))
 
 
+def _above(key: str, value: float, low: float) -> None:
+    if value <= low:
+        raise ConfigError(key, f"must be > {low}, got {value}")
+
+
+at_least, above = _at_least, _above  # for the envs' own Config checks
+
+
+def check_finite(node: Any, prefix: str) -> None:
+    """Every float of a config dataclass (nested ones too) is a finite number: `nan` passes every
+    `<` and `>` check below, and `inf` is never what a user means."""
+    for f in dataclasses.fields(node):
+        value, key = getattr(node, f.name), f"{prefix}.{f.name}" if prefix else f.name
+        if dataclasses.is_dataclass(value):
+            check_finite(value, key)
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(key, f"must be a finite number, got {value}")
+
+
 def validate(cfg: TrainConfig) -> None:
     """Value checks that types alone cannot express. Registries are read here, so the env and
     feedback modules must be imported first (train.py does)."""
@@ -276,6 +299,7 @@ def validate(cfg: TrainConfig) -> None:
     from .loss import LOSS_AGGS
     from .tree import JOINT_MODES
 
+    check_finite(cfg, "")
     t = cfg.trainer
     _at_least("trainer.num_generations", t.num_generations, 2, "a group baseline needs two samples")
     _at_least("trainer.num_turns", t.num_turns, 1)
@@ -308,6 +332,10 @@ def validate(cfg: TrainConfig) -> None:
     _at_least("trainer.max_grad_norm", t.max_grad_norm, 0.0)
     if t.lr <= 0:
         raise ConfigError("trainer.lr", f"must be > 0, got {t.lr}")
+    _at_least("trainer.weight_decay", t.weight_decay, 0.0)
+    _above("trainer.clip_eps", t.clip_eps, 0)
+    if not 0 <= t.seed < 2**32:  # numpy's seeding range
+        raise ConfigError("trainer.seed", f"must be in [0, 2**32), got {t.seed}")
     if not 0 <= t.discount <= 1:
         raise ConfigError("trainer.discount", f"must be in [0, 1], got {t.discount}")
     _choice("trainer.joint_mode", t.joint_mode, JOINT_MODES.names())
@@ -331,10 +359,17 @@ def validate(cfg: TrainConfig) -> None:
     _at_least("eval.num_samples", cfg.eval.num_samples, 0)
     _at_least("eval.max_problems", cfg.eval.max_problems, 0)
     _at_least("lora.r", cfg.lora.r, 1)
+    _above("lora.alpha", cfg.lora.alpha, 0)
+    if not cfg.lora.target_modules:
+        raise ConfigError("lora.target_modules", "must name at least one module (or [all-linear])")
     if not 0 <= cfg.lora.dropout < 1:
         raise ConfigError("lora.dropout", f"must be in [0, 1), got {cfg.lora.dropout}")
     _choice("model.dtype", cfg.model.dtype, ["bfloat16", "float16", "float32"])
     _choice("model.chat_template", cfg.model.chat_template, ["auto", "never"])
+    _check_device(cfg.model.device)
+    _at_least("model.tiny_layers", cfg.model.tiny_layers, 1)
+    if cfg.model.tiny_hidden_size < 8 or cfg.model.tiny_hidden_size % 8:  # 4 heads with an even head size (RoPE)
+        raise ConfigError("model.tiny_hidden_size", f"must be a positive multiple of 8, got {cfg.model.tiny_hidden_size}")
     _at_least("external.max_concurrency", cfg.external.max_concurrency, 1)
     x = cfg.external.expert
     _choice("external.expert.backend", x.backend, ["auto", "reference", "openai", "hf"])
@@ -349,8 +384,11 @@ def validate(cfg: TrainConfig) -> None:
     if x.backend == "hf" and not x.model:
         raise ConfigError("external.expert.model", "required with external.expert.backend=hf: a hub id or a local model folder")
     _choice("logging.wandb.mode", cfg.logging.wandb.mode, ["auto", "disabled", "offline", "online"])
+    _check_wandb_key(cfg.logging.wandb.mode)
     _at_least("logging.every", cfg.logging.every, 0)
     _at_least("logging.samples_every", cfg.logging.samples_every, 0)
+    if is_main_process():  # only rank 0 writes the run dir
+        _check_run_dir(cfg.logging.run_dir)
     for i, name in enumerate([cfg.model.name] + [a.model for a in cfg.agents if a.model]):
         key = "model.name" if i == 0 else "agents[].model"
         _check_model_name(key, name)
@@ -399,6 +437,51 @@ def _validate_backend(cfg: TrainConfig) -> None:
 
 def _check_model_name(key: str, name: str) -> None:
     """A path-like name must exist; `org/name` or a bare name is a hub id (checked when loading)."""
+    if not name.strip():
+        raise ConfigError(key, "is empty; give a hub id like org/name, a local model folder, tiny or smollm2-135m")
     looks_like_path = name.startswith((".", "/", "~")) or name.count("/") > 1
     if looks_like_path and not os.path.isdir(os.path.expanduser(name)):
         raise ConfigError(key, f"{name!r} is not an existing folder (give a local model folder or a hub id like org/name)")
+
+
+def _check_device(setting: str) -> None:
+    match = re.fullmatch(r"auto|cpu|cuda(?::(\d+))?", setting)
+    if not match:
+        raise ConfigError("model.device", f"{setting!r} is not allowed; choose one of: auto, cpu, cuda, cuda:N")
+    if not setting.startswith("cuda"):
+        return
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        raise ConfigError("model.device", f"{setting!r} but torch sees no CUDA device on this machine "
+                          f"(torch {torch.__version__}); use auto or cpu")
+    if match.group(1) is not None and int(match.group(1)) >= count:
+        raise ConfigError("model.device", f"{setting!r} but this machine has {count} CUDA device(s): cuda:0 to cuda:{count - 1}")
+
+
+def _check_run_dir(run_dir: Optional[str]) -> None:
+    """The run dir (default: runs/<env>-<time> here) can be created and written, checked on its
+    nearest existing folder so that nothing is created before every check has passed."""
+    import tempfile
+
+    wanted = Path(run_dir).expanduser() if run_dir else Path("runs")
+    existing = next(p for p in [wanted, *wanted.parents] if p.exists())  # "." or "/" at the latest
+    shown = run_dir if run_dir else "null (runs/<env>-<time>)"
+    if not existing.is_dir():
+        where = "" if existing == wanted else f": {str(existing)!r}"
+        raise ConfigError("logging.run_dir", f"{shown!r}{where} is a file, not a folder")
+    try:
+        tempfile.TemporaryFile(dir=existing).close()
+    except OSError as e:
+        raise ConfigError("logging.run_dir", f"{shown!r}: cannot write in {str(existing)!r} ({e.strerror or e})") from None
+
+
+def _check_wandb_key(mode: str) -> None:
+    """online without an API key fails inside wandb.init, after the model loaded and the run dir
+    was made; the key is looked up where `auto` looks (WANDB_API_KEY, ~/.netrc; $NETRC is wandb's)."""
+    from .run_io import wandb_mode
+
+    if mode == "online" and not os.environ.get("NETRC") and wandb_mode("auto") != "online":
+        raise ConfigError("logging.wandb.mode", "online needs a wandb API key (set WANDB_API_KEY or run `wandb login`); "
+                          "or use auto or offline (`wandb sync` uploads later)")

@@ -6,6 +6,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Mapping, Sequence
 
+from .errors import describe, qualified_name, user_code
 from .registry import Registry
 
 
@@ -29,6 +30,7 @@ class Environment:
     Config: ClassVar[type]
     default_feedback: ClassVar[str | None] = None  # feedback mode that suits this env best (documentation)
     context_keys: ClassVar[frozenset[str]] = frozenset()  # keys score() puts in every feedback context
+    split_keys: ClassVar[dict[str, str]] = {}  # "train"/"eval" -> the env.* key that picks it (named in errors)
 
     def __init__(self, cfg: Any):
         self.cfg = cfg
@@ -77,6 +79,17 @@ class Environment:
 ENVS: Registry[type[Environment]] = Registry("env")
 
 
+class EnvError(RuntimeError):
+    """An env method raised (reported as one line by the CLI, naming the method)."""
+
+
+def call_env(env: Environment, method: str, *args: Any, where: str) -> Any:
+    """env.method(*args); a raise becomes an EnvError naming the method and `where` (the turn).
+    ConfigError passes: bad input found while loading data is reported as such."""
+    with user_code(lambda e: EnvError(f"{qualified_name(type(env))}.{method} raised {where}: {describe(e)}")):
+        return getattr(env, method)(*args)
+
+
 def make_env(env_cfg: Mapping[str, Any]) -> Environment:
     """Build the env named by `env_cfg["name"]`, checking the other keys against its Config."""
     from .config import ConfigError
@@ -86,7 +99,9 @@ def make_env(env_cfg: Mapping[str, Any]) -> Environment:
     if name not in ENVS:
         raise ConfigError("env.name", f"{name!r} is not allowed; choose one of: {', '.join(ENVS.names())}")
     cls = ENVS.get(name)
-    return cls(_build(cls.Config, values, "env", f"env {name!r}"))
+    config = _build(cls.Config, values, "env", f"env {name!r}")
+    with user_code(lambda e: EnvError(f"{qualified_name(cls)}.__init__ raised at start-up: {describe(e)}")):
+        return cls(config)
 
 
 def _build(schema: type, values: Mapping[str, Any], prefix: str, owner: str) -> Any:

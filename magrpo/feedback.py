@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+from .errors import describe, qualified_name, user_code
 from .registry import Registry
 
 FeedbackFn = Callable[..., Sequence[str]]
@@ -102,16 +103,27 @@ def _accepted(fn: Callable) -> Callable[[dict], dict]:
 def call_feedback(fn: FeedbackFn, name: str, branch: Branch, select: Callable[[dict], dict] | None = None) -> list[str]:
     num_agents = len(branch.agent_completions)
     select = select or _accepted(fn)
-    # Copies: the tree keeps these lists, and a function that edits its arguments must not corrupt it.
-    prompts = fn(
-        prompt=branch.prompt,
-        agent_completions=list(branch.agent_completions),
-        num_agents=num_agents,
-        prompt_history_per_agent=[list(h) for h in branch.prompt_history],
-        response_history_per_agent=[list(h) for h in branch.response_history],
-        **select(dict(branch.context)),
-    )
+    with user_code(lambda e: raised(name, fn, f"at turn {turn_of([branch])}", e)):
+        # Copies: the tree keeps these lists, and a function that edits its arguments must not corrupt it.
+        prompts = fn(
+            prompt=branch.prompt,
+            agent_completions=list(branch.agent_completions),
+            num_agents=num_agents,
+            prompt_history_per_agent=[list(h) for h in branch.prompt_history],
+            response_history_per_agent=[list(h) for h in branch.response_history],
+            **select(dict(branch.context)),
+        )
     return check_prompts(prompts, num_agents, name)
+
+
+def turn_of(branches: list[Branch]) -> int | str:
+    """The turn being expanded: the histories hold one prompt per turn up to and including it."""
+    return len(branches[0].prompt_history[0]) - 1 if branches and branches[0].prompt_history else "?"
+
+
+def raised(name: str, fn: Any, when: str, error: Exception) -> FeedbackError:
+    """The one-line error for a feedback function or mode that raised: its name, when, the error."""
+    return FeedbackError(f"feedback function {name!r} ({qualified_name(fn)}) raised {when}: {describe(error)}")
 
 
 def check_prompts(prompts: Any, num_agents: int, name: str) -> list[str]:
@@ -138,7 +150,9 @@ class Feedback:
         self.max_concurrency = external_cfg.max_concurrency
         self.options = options_of(external_cfg)
         target = target or resolve_feedback(self.name)
-        self.mode = target(external_cfg, env) if isinstance(target, type) and issubclass(target, FeedbackMode) else None
+        is_mode = isinstance(target, type) and issubclass(target, FeedbackMode)
+        with user_code(lambda e: raised(self.name, target, "at start-up", e)):
+            self.mode = target(external_cfg, env) if is_mode else None
         self.fn = None if self.mode is not None else target
         self._select = _accepted(self.fn) if self.fn is not None else None
         self.env = env
@@ -154,13 +168,16 @@ class Feedback:
                               f"{type(self.env).__name__} does not provide ({', '.join(missing)}); use it with env=code "
                               f"or pick a generic mode such as plain")
         if self.mode is not None:
-            self.mode.check()
+            with user_code(lambda e: raised(self.name, self.mode.check, "at start-up", e)):
+                self.mode.check()
 
     def __call__(self, branches: list[Branch]) -> list[list[str]]:
         for branch in branches:
             branch.context.setdefault("options", self.options)
         if self.mode is not None:
-            out = self.mode.batch(branches)
+            failed = lambda e: raised(self.name, self.mode.batch, f"at turn {turn_of(branches)}", e)  # noqa: E731
+            with user_code(failed, keep=(FeedbackError,)):
+                out = self.mode.batch(branches)
             if len(out) != len(branches):
                 raise FeedbackError(f"feedback mode {self.name!r} returned {len(out)} prompt lists for {len(branches)} branches")
             return [check_prompts(p, len(b.agent_completions), self.name) for p, b in zip(out, branches)]

@@ -9,7 +9,8 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from .advantage import agent_credit, group_advantages, tree_returns
-from .env import Environment, Scored
+from .env import Environment, Scored, call_env
+from .errors import describe, qualified_name
 from .feedback import Branch
 from .generation import GenerationBackend, GenerationRequest, SamplingParams
 from .sampling import stream_key
@@ -43,14 +44,19 @@ def score_guarded(env: Environment, owners: list, texts: list, on_error: str, tu
             (one,) = env.score([owner], [joint_texts])
             error = None if np.isfinite(one.reward) else f"non-finite reward {one.reward}"
         except Exception as e:  # noqa: BLE001
-            error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            error = describe(e)
         if error is not None and on_error == "raise":
-            problem = owner.get("task_id") or str(owner.get("prompt", ""))[:60]
-            raise RewardError(f"env {type(env).__name__} failed on joint action {i} of turn {turn} (problem {problem!r}, "
+            problem = problem_name(owner)
+            raise RewardError(f"env {type(env).__name__} ({qualified_name(type(env))}.score) failed on joint action {i} "
+                              f"of turn {turn} (problem {problem!r}, "
                               f"completions {[t[:40] for t in joint_texts]}): {error}; set reward.on_error=zero to score it 0")
         out.append(one if error is None else Scored(0.0, {"reward": 0.0}))
         failed.append(error is not None)
     return out, failed
+
+
+def problem_name(problem: Mapping[str, Any]) -> str:
+    return problem.get("task_id") or str(problem.get("prompt", ""))[:60]
 
 
 @dataclass
@@ -83,7 +89,7 @@ def expand_trees(
     nodes: list[Node] = []
     level = []
     for b, problem in enumerate(problems):
-        prompts = env.agent_prompts(problem)
+        prompts = call_env(env, "agent_prompts", problem, where=f"at turn 0 (problem {problem_name(problem)!r})")
         level.append(Node(tree=b, turn=0, parent=None, prompts=prompts,
                           prompt_history=[[p] for p in prompts], response_history=[[] for _ in range(n)],
                           stream=None if seed is None else stream_key(seed, tree_offset + b)))

@@ -13,9 +13,10 @@ import numpy as np
 import torch
 
 from . import checkpoint
-from .config import TrainConfig, check_tree_size, validate
+from .config import ConfigError, TrainConfig, check_finite, check_tree_size, validate
 from .distributed import World, reduce_counters, world_from_env
-from .env import Environment, make_env
+from .env import Environment, call_env, make_env
+from .errors import log_traceback
 from .evaluation import evaluate
 from .feedback import Feedback
 from .generation import SamplingParams, make_backend
@@ -36,6 +37,8 @@ class ProblemSampler:
     """Epoch-wise shuffled order over the train problems, seeded."""
 
     def __init__(self, problems, seed: int):
+        if not problems:  # prepare() reports an empty split; this guard keeps next() from looping forever
+            raise TrainingError("the train split has no problems")
         self.problems, self.rng, self.order = problems, np.random.default_rng(seed), []
 
     def state(self) -> dict:
@@ -53,14 +56,36 @@ class ProblemSampler:
 
 
 def prepare(cfg: TrainConfig) -> tuple[Environment, Feedback]:
-    """Everything that can fail on bad input, before any model loads (an expert endpoint and its
-    key included)."""
+    """Everything that can fail on bad input, before any model loads and before the run dir exists
+    (the data, an expert endpoint and its key included)."""
     validate(cfg)
     env = make_env(cfg.env)
+    check_finite(env.cfg, "env")
+    if len(cfg.agents) > env.num_agents:
+        raise ConfigError("agents", f"{len(cfg.agents)} entries for {env.num_agents} agent(s); give at most one per agent")
+    _check_split(env, "train")
+    if evaluates(cfg):
+        _check_split(env, "eval")
     check_tree_size(cfg, env.num_agents)
     feedback = Feedback(cfg.external, env)
     feedback.check()
     return env, feedback
+
+
+def evaluates(cfg: TrainConfig) -> bool:
+    return bool(cfg.eval.at_end or cfg.eval.every or cfg.eval.at_start)
+
+
+def _check_split(env: Environment, split: str) -> None:
+    """Load a split now (the env caches it): bad data is a start-up error, and an empty split would
+    leave nothing to sample."""
+    problems = call_env(env, "problems", split, where=f"loading the {split} split")
+    if not problems:
+        key = env.split_keys.get(split, "env")
+        value = getattr(env.cfg, key.partition(".")[2], None)
+        hint = "" if split == "train" else "; or turn evaluation off: eval.at_end=false (and eval.every=0, eval.at_start=false)"
+        what = f"{value!r} selects no {split} problems" if value is not None else f"the {split} split has no problems"
+        raise ConfigError(key, f"{what}; give a split with at least one{hint}")
 
 
 class TrainingError(RuntimeError):
@@ -112,7 +137,7 @@ def _train(cfg: TrainConfig, env: Environment, feedback: Feedback, world: World)
             for name in ("metrics.jsonl", "rollouts.jsonl"):  # what the interrupted run wrote after its checkpoint
                 checkpoint.truncate_log(run_dir / name, last)
     writer = RunWriter(run_dir, asdict(cfg), cfg.logging.wandb) if world.is_main else NullWriter()
-    eval_problems = env.problems("eval")[: cfg.eval.max_problems or None]
+    eval_problems = env.problems("eval")[: cfg.eval.max_problems or None] if evaluates(cfg) else []
     tree = TreeSettings(t.num_generations, t.num_turns, t.joint_mode, t.early_termination_threshold, cfg.reward.on_error)
     bad_in_row = 0
     micro = [t.micro_batch_size]  # halved for the rest of the run after an out-of-memory
@@ -234,6 +259,11 @@ def _train(cfg: TrainConfig, env: Environment, feedback: Feedback, world: World)
         if world.is_main:
             _save(agents, run_dir / "adapters")
             writer.log_adapters(run_dir / "adapters")
+    except Exception as e:
+        log = log_traceback(run_dir, e) if world.is_main else None  # the console gets one line (cli.py)
+        if log is not None:
+            e.add_note(f"traceback in {log}")
+        raise
     finally:
         stop.restore()
         bar.close()

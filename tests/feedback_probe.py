@@ -26,3 +26,7 @@ def record_context(prompt, agent_completions, num_agents, prompt_history_per_age
             "response_history_per_agent": response_history_per_agent, "context": context,
         }) + "\n")
     return [f"probe turn {len(prompt_history_per_agent[i]) + 1} for agent {i}" for i in range(num_agents)]
+
+
+def raises(prompt, agent_completions, num_agents, prompt_history_per_agent, response_history_per_agent):
+    raise RuntimeError("the feedback function failed")

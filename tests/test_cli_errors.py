@@ -31,6 +31,8 @@ CASES = {
     "resume=/no/such/checkpoint": ("resume", ["not a complete checkpoint folder"]),
     "resume=auto": ("resume", ["logging.run_dir"]),
     "checkpoint.keep=0": ("checkpoint.keep", [">= 1"]),
+    "env=length_ratio env.eval_size=0": ("env.eval_size", ["selects no eval problems"]),  # more in test_bad_input.py
+    "env=code env.timeout_s=-1": ("env.timeout_s", ["> 0"]),
     "reward.on_error=ignore": ("reward.on_error", ["'ignore'", "raise, zero"]),
     "external.max_concurrency=0": ("external.max_concurrency", [">= 1"]),
     "backend=sglang": ("backend", ["'sglang'", "hf, vllm"]),

@@ -284,11 +284,11 @@ def test_jsonl_path(tmp_path):
     assert [r["task_id"] for r in P.load_problems(str(path), "test[1:3]")] == ["t/1", "t/2"]
 
     path.write_text(json.dumps({"task_id": "t", "prompt": "p"}) + "\n")
-    with pytest.raises(ValueError, match="record 1 lacks string field"):
+    with pytest.raises(P.DatasetError, match="mine.jsonl line 1: record lacks string field"):
         P.load_problems(str(path), "test")
     with pytest.raises(P.DatasetUnavailable, match="no such file"):
         P.load_problems(str(tmp_path / "missing.jsonl"), "test")
-    with pytest.raises(ValueError, match="choose one of"):
+    with pytest.raises(P.DatasetError, match="choose one of"):
         P.load_problems("apps", "test")
 
 
@@ -300,5 +300,5 @@ def test_unshipped_dataset_offline_is_a_one_line_error(monkeypatch, tmp_path, na
         P.load_problems(name, "test[:16]")
     message = str(info.value)
     assert "\n" not in message
-    assert message.startswith(f"env.dataset={name}: hub dataset {hub} is unavailable")
+    assert message.startswith(f"{name}: hub dataset {hub} is unavailable")
     assert f"env.dataset=path/to/{name}.jsonl" in message

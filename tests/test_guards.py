@@ -64,7 +64,7 @@ def expand(on_error):
 
 
 def test_raising_env_is_named_with_the_joint_action():
-    with pytest.raises(RewardError, match=r"env FakeEnv failed on joint action 1 of turn 0 \(problem 'P0'.*"
+    with pytest.raises(RewardError, match=r"env FakeEnv \(tests\.test_tree_shape\.FakeEnv\.score\) failed on joint action 1 of turn 0 \(problem 'P0'.*"
                                           r"ZeroDivisionError: the grader divided by zero; set reward.on_error=zero"):
         expand("raise")
 

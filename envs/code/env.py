@@ -12,7 +12,7 @@ from magrpo.distributed import is_main_process
 from magrpo.env import ENVS, Environment, Scored
 
 from .judge import unsupported_reason
-from .problems import extract_tests, load_problems, parse_signature, prompt_context, wrap_case
+from .problems import DatasetError, extract_tests, load_problems, parse_signature, prompt_context, wrap_case
 from .reward import Analysis, RewardWeights, analyze, score, strip_fences, syntax_error
 from .sandbox import Program, RunResult, SandboxLimits, run_many
 
@@ -61,6 +61,7 @@ class CodeEnv(Environment):
         """Level weights, shift and scale (envs/code/reward.py)."""
 
     default_feedback = "plain"
+    split_keys = {"train": "env.train_split", "eval": "env.eval_split"}
     context_keys = frozenset({
         "task_id", "entry_point", "params", "signature", "tests", "canonical_solution", "roles", "functions", "code",
         "aux_defined", "main_defined", "syntax_ok", "syntax_errors", "ran", "passed", "total", "timed_out",
@@ -69,10 +70,12 @@ class CodeEnv(Environment):
 
     def __init__(self, cfg: Any):
         super().__init__(cfg)
-        if cfg.num_agents not in (1, 2):
-            from magrpo.config import ConfigError
+        from magrpo.config import ConfigError, above, at_least
 
+        if cfg.num_agents not in (1, 2):
             raise ConfigError("env.num_agents", f"must be 1 or 2 for the code env, got {cfg.num_agents}")
+        above("env.timeout_s", cfg.timeout_s, 0)  # 0 or less: every program, correct ones too, times out
+        at_least("env.workers", cfg.workers, 0)
         self.weights = cfg.reward
         dataset_dir = os.path.dirname(os.path.abspath(cfg.dataset)) if os.path.isfile(cfg.dataset) else None
         self.limits = SandboxLimits(timeout_s=cfg.timeout_s, hidden_paths=(dataset_dir,) if dataset_dir else ())
@@ -90,9 +93,20 @@ class CodeEnv(Environment):
 
     def problems(self, split: str) -> list[dict[str, Any]]:
         if split not in self._splits:
-            spec = self.cfg.train_split if split == "train" else self.cfg.eval_split
-            self._splits[split] = self._prepare(load_problems(self.cfg.dataset, spec), split)
+            self._splits[split] = self._prepare(self._load(split), split)
         return self._splits[split]
+
+    def _load(self, split: str) -> list[dict]:
+        """The split's records; bad input as a ConfigError naming env.dataset or the split key."""
+        from magrpo.config import ConfigError
+
+        spec = self.cfg.train_split if split == "train" else self.cfg.eval_split
+        try:
+            return load_problems(self.cfg.dataset, spec)
+        except DatasetError as e:
+            raise ConfigError("env.dataset", str(e)) from None
+        except ValueError as e:  # the split spec
+            raise ConfigError(self.split_keys[split], str(e)) from None
 
     def _prepare(self, records: list[dict], split: str) -> list[dict]:
         """Parse every problem once; a problem whose signature or tests cannot be parsed is skipped

@@ -304,7 +304,12 @@ def split_indices(split: str, sizes: dict[str, int]) -> list[tuple[str, int]]:
 # Loading
 
 
-class DatasetUnavailable(ValueError):
+class DatasetError(ValueError):
+    """`env.dataset` cannot be read: a missing or malformed file, records without the needed fields;
+    the message names the file (and line) in one line."""
+
+
+class DatasetUnavailable(DatasetError):
     """A dataset is neither reachable nor shipped; the message says how to get it, in one line."""
 
 
@@ -359,14 +364,29 @@ def _load_hub(hub: str, split: str) -> tuple[list[dict] | None, str]:
 
 
 def _read_jsonl(path: Path) -> list[dict]:
+    """Every non-blank line as a record with the string FIELDS; DatasetError names the file and line."""
     opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        records = [json.loads(line) for line in f if line.strip()]
-    for i, record in enumerate(records, start=1):
-        missing = [key for key in FIELDS if not isinstance(record.get(key), str)]
-        if missing:
-            raise ValueError(f"{path}: record {i} lacks string field(s) {', '.join(missing)}")
+    try:
+        with opener(path, "rt", encoding="utf-8") as f:
+            records = [_record(path, number, line) for number, line in enumerate(f, start=1) if line.strip()]
+    except (OSError, EOFError, UnicodeDecodeError) as e:  # unreadable, a folder, a broken .gz, not UTF-8
+        raise DatasetError(f"{path}: cannot read it ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+    if not records:  # said here: an empty split would blame the split spec
+        raise DatasetError(f"{path}: no records (the file is empty)")
     return records
+
+
+def _record(path: Path, number: int, line: str) -> dict:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise DatasetError(f"{path} line {number}: not valid JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(record, dict):
+        raise DatasetError(f"{path} line {number}: expected a JSON object with {', '.join(FIELDS)}, got {type(record).__name__}")
+    missing = [key for key in FIELDS if not isinstance(record.get(key), str)]
+    if missing:
+        raise DatasetError(f"{path} line {number}: record lacks string field(s) {', '.join(missing)}")
+    return record
 
 
 def _select(records: list[dict], split: str) -> list[dict]:
@@ -382,10 +402,10 @@ def load_problems(dataset: str, split: str) -> list[dict]:
     key = dataset.lower()
     if key not in SOURCES:
         if not dataset.endswith((".jsonl", ".jsonl.gz")):
-            raise ValueError(f"env.dataset={dataset}: choose one of {', '.join(SOURCES)} or a path to a .jsonl file")
+            raise DatasetError(f"{dataset!r} is not allowed; choose one of: {', '.join(SOURCES)} or a path to a .jsonl file")
         path = Path(dataset).expanduser()
         if not path.is_file():
-            raise DatasetUnavailable(f"env.dataset={dataset}: no such file")
+            raise DatasetUnavailable(f"{dataset}: {'a folder, not a file' if path.is_dir() else 'no such file'}")
         return _select(_read_jsonl(path), split)
 
     source = SOURCES[key]
@@ -396,12 +416,12 @@ def load_problems(dataset: str, split: str) -> list[dict]:
     if records is not None:
         missing = [k for k in FIELDS if records and k not in records[0]]
         if missing:
-            raise ValueError(f"env.dataset={dataset}: hub dataset {source.hub} lacks field(s) {', '.join(missing)}")
+            raise DatasetError(f"{dataset}: hub dataset {source.hub} lacks field(s) {', '.join(missing)}")
         return records
     if shipped is not None:
         return _select(_read_jsonl(shipped), split)
     raise DatasetUnavailable(
-        f"env.dataset={dataset}: hub dataset {source.hub} is unavailable ({why}) and no copy ships with magrpo; "
+        f"{dataset}: hub dataset {source.hub} is unavailable ({why}) and no copy ships with magrpo; "
         f"on a machine with internet run datasets.load_dataset('{source.hub}', split='test').to_json('{key}.jsonl') "
         f"and pass env.dataset=path/to/{key}.jsonl"
     )

@@ -1,0 +1,52 @@
+"""Errors raised by user code (an env's methods, a feedback function) as one line that names the
+function, and the full traceback kept in the run dir (`error.log`) rather than on the console."""
+from __future__ import annotations
+
+import time
+import traceback
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+ERROR_LOG = "error.log"
+
+
+def qualified_name(fn: Any) -> str:
+    """`module.Class.method` or `module.function`: where to look in the user's code."""
+    fn = getattr(fn, "__func__", fn)
+    name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+    module = getattr(fn, "__module__", None)
+    return f"{module}.{name}" if module else name
+
+
+def describe(error: BaseException) -> str:
+    """`Type: first line of the message`, never more than one line."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+
+
+@contextmanager
+def user_code(error: Callable[[Exception], Exception], keep: tuple[type[Exception], ...] = ()) -> Iterator[None]:
+    """Run user code: any exception becomes error(exception), raised from it (the traceback stays for
+    error.log). A ConfigError (bad input the code found) and the `keep` types pass unchanged."""
+    from .config import ConfigError
+
+    try:
+        yield
+    except (ConfigError, *keep):
+        raise
+    except Exception as e:  # noqa: BLE001  (user code: any error)
+        raise error(e) from e
+
+
+def log_traceback(run_dir: Path, error: BaseException) -> Path | None:
+    """Append the error's full traceback to RUN_DIR/error.log; returns that path (None when it
+    cannot be written: the error itself must still reach the user)."""
+    path = Path(run_dir) / ERROR_LOG
+    try:
+        with open(path, "a") as f:
+            f.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+            f.write("".join(traceback.format_exception(error)))
+    except OSError:
+        return None
+    return path

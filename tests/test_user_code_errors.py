@@ -1,0 +1,179 @@
+"""User code that raises (issue 13, point 5): a feedback function or an env method stops the run with
+one line naming it, the turn and the exception; the traceback goes to RUN_DIR/error.log (and to the
+console with MAGRPO_DEBUG=1); the run dir stays resumable."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from envs.length_ratio import LengthRatioEnv
+from magrpo.cli import main
+from magrpo.feedback import FeedbackMode
+from tests.conftest import ROOT, SMALL
+
+CALLS = {"n": 0, "fail_after": 4}  # B=2, K=2 align: 4 expanding branches per step, so call 5 is in step 2
+
+
+def boom(prompt, agent_completions, num_agents, prompt_history_per_agent, response_history_per_agent):
+    CALLS["n"] += 1
+    if CALLS["n"] > CALLS["fail_after"]:
+        raise ValueError("probe failure\nwith a second line")
+    return [f"{prompt} again, agent {i}" for i in range(num_agents)]
+
+
+@pytest.fixture
+def run_main(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(CALLS, "n", 0)
+    monkeypatch.delenv("MAGRPO_DEBUG", raising=False)
+
+    def run(*overrides: str) -> tuple[int, list[str], str]:
+        code = main([*SMALL, f"logging.run_dir={tmp_path / 'run'}", "eval.at_end=false", "external.max_concurrency=1",
+                     *overrides])
+        err = capsys.readouterr().err
+        return code, [line for line in err.splitlines() if line.startswith("error")], err
+
+    return run
+
+
+def test_raising_feedback_is_one_line_with_a_logged_traceback_and_the_run_resumes(run_main, tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    code, errors, err = run_main("external.mode=tests.test_user_code_errors:boom", "trainer.steps=2",
+                                 "checkpoint.every=1")
+    assert code == 1 and "Traceback" not in err, err
+    assert errors == [f"error: feedback function 'tests.test_user_code_errors:boom' (tests.test_user_code_errors.boom) "
+                      f"raised at turn 0: ValueError: probe failure (traceback in {run / 'error.log'}; "
+                      f"MAGRPO_DEBUG=1 prints it)"]
+    log = (run / "error.log").read_text()
+    assert "Traceback" in log and "in boom" in log and "with a second line" in log
+    assert (run / "checkpoints" / "step_000001" / "COMPLETE").exists()  # step 1 finished, step 2 raised
+
+    monkeypatch.setitem(CALLS, "fail_after", 10**9)
+    code, errors, err = run_main("external.mode=tests.test_user_code_errors:boom", "trainer.steps=2",
+                                 "checkpoint.every=1", "resume=auto")
+    assert code == 0 and not errors, err
+    assert [json.loads(line)["step"] for line in open(run / "metrics.jsonl")] == [1, 2]
+
+
+def test_raising_env_method_during_a_step_is_named_with_its_turn(run_main, tmp_path, monkeypatch):
+    def agent_prompts(self, problem):
+        raise KeyError("topic")
+
+    monkeypatch.setattr(LengthRatioEnv, "agent_prompts", agent_prompts)
+    code, errors, err = run_main("trainer.steps=1")
+    assert code == 1 and "Traceback" not in err, err
+    assert len(errors) == 1
+    assert re.match(r"error: envs\.length_ratio\.LengthRatioEnv\.agent_prompts raised at turn 0 "
+                    r"\(problem 'Write about \w+\.'\): KeyError: 'topic' \(traceback in .*error\.log; ", errors[0]), errors
+
+
+def test_raising_env_score_keeps_its_one_line_and_logs_the_traceback(run_main, tmp_path, monkeypatch):
+    monkeypatch.setattr(LengthRatioEnv, "rewards", lambda self, problems, texts: 1 / 0)
+    code, errors, err = run_main("trainer.steps=1")
+    assert code == 1 and "Traceback" not in err, err
+    assert len(errors) == 1
+    assert errors[0].startswith("error: env LengthRatioEnv (envs.length_ratio.LengthRatioEnv.score) failed on joint "
+                                "action 0 of turn 0"), errors
+    assert "ZeroDivisionError: division by zero" in errors[0]
+    assert "ZeroDivisionError" in (tmp_path / "run" / "error.log").read_text()
+
+
+def _raise(error):
+    def method(self, *args):
+        raise error
+
+    return method
+
+
+@pytest.mark.parametrize("method,error,line", [
+    ("problems", OSError("the problem server is down"), "envs.length_ratio.LengthRatioEnv.problems raised loading "
+                                                        "the train split: OSError: the problem server is down"),
+    ("__init__", FileNotFoundError("topics.txt"), "envs.length_ratio.LengthRatioEnv.__init__ raised at start-up: "
+                                                  "FileNotFoundError: topics.txt"),
+])
+def test_raising_env_at_start_up_is_one_line_and_no_run_dir(run_main, tmp_path, monkeypatch, method, error, line):
+    monkeypatch.setattr(LengthRatioEnv, method, _raise(error))
+    code, errors, err = run_main()
+    assert code == 1 and "Traceback" not in err, err
+    assert errors == [f"error: {line} (MAGRPO_DEBUG=1 prints the traceback)"]
+    assert not (tmp_path / "run").exists()
+
+
+def test_debug_switch_prints_the_traceback(run_main, monkeypatch):
+    monkeypatch.setenv("MAGRPO_DEBUG", "1")
+    monkeypatch.setitem(CALLS, "fail_after", 0)
+    code, errors, err = run_main("external.mode=tests.test_user_code_errors:boom", "trainer.steps=1")
+    assert code == 1 and len(errors) == 1
+    assert "Traceback (most recent call last)" in err and 'raise ValueError("probe failure' in err
+    assert err.rstrip().endswith("MAGRPO_DEBUG=1 prints it)")  # the one line still comes last
+
+
+def test_a_second_signal_is_one_line_exit_130(run_main, monkeypatch):
+    import magrpo.trainer
+
+    def interrupted(cfg, prepared):
+        raise KeyboardInterrupt  # what _StopSignals raises on a second signal
+
+    monkeypatch.setattr(magrpo.trainer, "train", interrupted)
+    try:
+        code, errors, err = run_main()
+    except KeyboardInterrupt:
+        pytest.fail("KeyboardInterrupt escaped main: a traceback for the user")
+    assert code == 130 and "Traceback" not in err, err
+    assert err.strip().splitlines() == ["stopped: interrupted; resume=auto continues from the last complete checkpoint, if any"]
+
+
+def test_raising_feedback_from_the_command_line_exits_1(tmp_path):
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    env.pop("MAGRPO_DEBUG", None)
+    proc = subprocess.run([sys.executable, "train.py", *SMALL, f"logging.run_dir={tmp_path / 'run'}", "trainer.steps=1",
+                           "external.mode=tests.feedback_probe:raises"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error")]
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert len(errors) == 1 and "tests.feedback_probe.raises) raised at turn 0: RuntimeError: " in errors[0], errors
+
+
+def test_an_error_that_is_not_ours_is_one_line_too(run_main, monkeypatch):
+    import magrpo.update
+
+    def broken(*args, **kwargs):
+        raise IndexError("a bug deep in the update")
+
+    monkeypatch.setattr(magrpo.update, "policy_loss", broken)
+    code, errors, err = run_main("trainer.steps=1", "trainer.kl_coef=0.01")  # KL: every row trains
+    assert code == 1 and "Traceback" not in err, err
+    assert len(errors) == 1 and errors[0].startswith("error: unexpected IndexError: a bug deep in the update (traceback in ")
+
+
+class BrokenMode(FeedbackMode):
+    """A user's feedback mode whose start-up check or batch raises, as the test asks."""
+
+    fail_in = "check"
+
+    def check(self):
+        if self.fail_in == "check":
+            raise ConnectionError("no server")
+
+    def batch(self, branches):
+        raise TimeoutError("the expert took too long")
+
+
+@pytest.mark.parametrize("fail_in,line", [
+    ("check", "error: feedback function 'tests.test_user_code_errors:BrokenMode' "
+              "(tests.test_user_code_errors.BrokenMode.check) raised at start-up: ConnectionError: no server "
+              "(MAGRPO_DEBUG=1 prints the traceback)"),
+    ("batch", "error: feedback function 'tests.test_user_code_errors:BrokenMode' "
+              "(tests.test_user_code_errors.BrokenMode.batch) raised at turn 0: TimeoutError: the expert took too long "
+              "(traceback in {run}/error.log; MAGRPO_DEBUG=1 prints it)"),
+])
+def test_raising_feedback_mode_is_one_line(run_main, tmp_path, monkeypatch, fail_in, line):
+    monkeypatch.setattr(BrokenMode, "fail_in", fail_in)
+    code, errors, err = run_main("external.mode=tests.test_user_code_errors:BrokenMode", "trainer.steps=1")
+    assert code == 1 and "Traceback" not in err, err
+    assert errors == [line.format(run=tmp_path / "run")]
+    assert (tmp_path / "run").exists() == (fail_in == "batch")  # start-up errors come before the run dir
