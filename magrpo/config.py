@@ -83,6 +83,8 @@ class TrainerConfig:
     """align: K joint actions (k-th sample of every agent); cross: all K^N combinations."""
     early_termination_threshold: Optional[float] = None
     """A joint action whose reward >= this gets no child; null = never stop early."""
+    expand: str = "all"
+    """Which joint actions of a node get a child (the rest are leaves, G = r): all | top:M (the M highest rewards) | random:M (M at random, seeded); applied after early termination."""
     discount: float = 1.0
     """gamma in G = r + gamma * mean(child returns)."""
     cross_credit: str = "mean"
@@ -297,7 +299,7 @@ def validate(cfg: TrainConfig) -> None:
     feedback modules must be imported first (train.py does)."""
     from .advantage import BASELINES, CREDITS, SCALES
     from .loss import LOSS_AGGS
-    from .tree import JOINT_MODES
+    from .tree import JOINT_MODES, parse_expand
 
     check_finite(cfg, "")
     t = cfg.trainer
@@ -339,6 +341,10 @@ def validate(cfg: TrainConfig) -> None:
     if not 0 <= t.discount <= 1:
         raise ConfigError("trainer.discount", f"must be in [0, 1], got {t.discount}")
     _choice("trainer.joint_mode", t.joint_mode, JOINT_MODES.names())
+    try:
+        parse_expand(t.expand)
+    except ValueError as e:
+        raise ConfigError("trainer.expand", str(e)) from None
     _choice("trainer.cross_credit", t.cross_credit, CREDITS.names())
     _choice("trainer.baseline", t.baseline, BASELINES.names())
     _choice("trainer.advantage_scale", t.advantage_scale, SCALES.names())
@@ -399,14 +405,14 @@ def check_tree_size(cfg: TrainConfig, num_agents: int) -> tuple[int, int]:
     from .tree import tree_size
 
     t = cfg.trainer
-    nodes, completions = tree_size(t.joint_mode, t.num_generations, num_agents, t.num_turns)
+    nodes, completions = tree_size(t.joint_mode, t.num_generations, num_agents, t.num_turns, t.expand)
     nodes, completions = nodes * t.batch_size, completions * t.batch_size
     if t.max_sequences_per_step and completions > t.max_sequences_per_step:
         raise ConfigError("trainer.max_sequences_per_step", (
             f"this tree samples {completions:,} completions per step ({nodes:,} nodes: {t.joint_mode} mode, "
             f"N={num_agents}, K={t.num_generations}, T={t.num_turns}, batch {t.batch_size}), above the cap of "
-            f"{t.max_sequences_per_step:,}; lower K, T or the batch, use align mode or early termination, "
-            f"or raise the cap"))
+            f"{t.max_sequences_per_step:,}; lower K, T or the batch, use align mode, trainer.expand=top:M or "
+            f"early termination, or raise the cap"))
     return nodes, completions
 
 

@@ -14,7 +14,7 @@ from .errors import describe, qualified_name
 from .feedback import Branch
 from .generation import GenerationBackend, GenerationRequest, SamplingParams
 from .sampling import stream_key
-from .tree import Completion, Node, joint_actions
+from .tree import Completion, Node, expanded, joint_actions
 
 
 @dataclass
@@ -24,6 +24,10 @@ class TreeSettings:
     joint_mode: str
     early_termination_threshold: float | None = None
     on_reward_error: str = "raise"  # raise | zero (the joint action scores 0 and gets no child)
+    expand: str = "all"  # all | top:M | random:M: which joint actions of a node get a child (tree.expanded)
+
+
+EXPAND_DRAWS = 0x45585044  # a stream domain of its own for random:M (never a sampling stream's key)
 
 
 class RewardError(RuntimeError):
@@ -133,8 +137,10 @@ def expand_trees(
             node.children = [None] * len(joint)
             if turn == tree.num_turns - 1:
                 continue
+            keys = None if node.stream is None else [stream_key(node.stream, EXPAND_DRAWS, j) for j in range(len(joint))]
+            grows = expanded(rewards[i], stop, tree.expand, keys)  # the rest are leaves (G = r)
             for j, choice in enumerate(joint):
-                if stop[j]:
+                if not grows[j]:
                     continue
                 chosen = [node.completions[a][choice[a]].text for a in range(n)]
                 branches.append(Branch(

@@ -138,7 +138,8 @@ def _train(cfg: TrainConfig, env: Environment, feedback: Feedback, world: World)
                 checkpoint.truncate_log(run_dir / name, last)
     writer = RunWriter(run_dir, asdict(cfg), cfg.logging.wandb) if world.is_main else NullWriter()
     eval_problems = env.problems("eval")[: cfg.eval.max_problems or None] if evaluates(cfg) else []
-    tree = TreeSettings(t.num_generations, t.num_turns, t.joint_mode, t.early_termination_threshold, cfg.reward.on_error)
+    tree = TreeSettings(t.num_generations, t.num_turns, t.joint_mode, t.early_termination_threshold, cfg.reward.on_error,
+                        t.expand)
     bad_in_row = 0
     micro = [t.micro_batch_size]  # halved for the rest of the run after an out-of-memory
     g = cfg.generation
@@ -315,6 +316,9 @@ def _metrics(rollout: Rollout, agent_stats: list[dict], num_turns: int) -> dict[
         out[f"train/turn_{turn}/return_mean"] = float(np.concatenate([n.returns for n in at]).mean())
         if turn < len(rollout.terminated_per_turn):
             out[f"train/turn_{turn}/terminated"] = rollout.terminated_per_turn[turn]
+        # neither stopped nor expanded: left out by trainer.expand (the last turn expands nothing)
+        out[f"train/turn_{turn}/unexpanded"] = 0 if turn == num_turns - 1 else sum(
+            c is None and not stopped for n in at for c, stopped in zip(n.children, n.terminated))
     for a, stats in enumerate(agent_stats):
         for key, value in stats.items():
             out[f"train/agent_{a}/{key}"] = value

@@ -32,12 +32,45 @@ def joint_actions(mode: str, k: int, n: int) -> np.ndarray:
     return JOINT_MODES.get(mode)(k, n)
 
 
-def tree_size(mode: str, k: int, n: int, num_turns: int) -> tuple[int, int]:
+def tree_size(mode: str, k: int, n: int, num_turns: int, expand: str = "all") -> tuple[int, int]:
     """(nodes, completions) of one tree when no branch stops early: J joint actions per node
-    (align K, cross K^N) make J^t nodes at turn t, and every node samples K completions per agent."""
+    (align K, cross K^N), of which C = J (expand all) or min(J, M) (top:M, random:M) get a child,
+    make C^t nodes at turn t, and every node samples K completions per agent."""
+    rule, m = parse_expand(expand)
     per_node = len(joint_actions(mode, k, n))
-    nodes = sum(per_node ** t for t in range(num_turns))
+    children = per_node if rule == "all" else min(per_node, m)
+    nodes = sum(children ** t for t in range(num_turns))
     return nodes, nodes * n * k
+
+
+EXPAND_RULES = ("all", "top:M", "random:M")
+
+
+def parse_expand(rule: str) -> tuple[str, int]:
+    """"all" -> ("all", 0); "top:M" / "random:M" -> (name, M) with M >= 1; else ValueError."""
+    if rule == "all":
+        return "all", 0
+    name, _, count = str(rule).partition(":")
+    if name in ("top", "random") and count.isdigit() and int(count) >= 1:
+        return name, int(count)
+    raise ValueError(f"{rule!r} is not an expansion rule; choose one of: {', '.join(EXPAND_RULES)} (M >= 1)")
+
+
+def expanded(rewards: np.ndarray, stopped: np.ndarray, rule: str, draw_keys: list[int] | None = None) -> np.ndarray:
+    """(J,) bool: the joint actions of a node that get a child. Stopped ones (turn limit, early
+    termination, a failed score) never do; of the rest, all, the M with the highest reward (ties:
+    the lower index), or M at random: those with the smallest `draw_keys` (a hash per joint action,
+    so the choice does not depend on the rest of the batch)."""
+    name, m = parse_expand(rule)
+    candidates = [j for j in range(len(rewards)) if not stopped[j]]
+    if name == "top":
+        candidates = sorted(candidates, key=lambda j: (-rewards[j], j))[:m]
+    elif name == "random":
+        keys = draw_keys if draw_keys is not None else list(np.random.permutation(len(rewards)))
+        candidates = sorted(candidates, key=lambda j: keys[j])[:m]
+    out = np.zeros(len(rewards), dtype=bool)
+    out[candidates] = True
+    return out
 
 
 @dataclass

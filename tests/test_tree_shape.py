@@ -101,11 +101,11 @@ def serial(fn, env) -> Feedback:
     return Feedback(ExternalConfig(max_concurrency=1), env, fn)
 
 
-def run(mode, n, t, k, threshold=None, reward=sum_of_indices, problems=PROBLEMS):
+def run(mode, n, t, k, threshold=None, reward=sum_of_indices, problems=PROBLEMS, expand="all", seed=None):
     env, backend, fb = FakeEnv(n, reward), FakeBackend(), RecordingFeedback()
     rollout = expand_trees(problems, env, backend, serial(fb, env),
                            TreeSettings(num_generations=k, num_turns=t, joint_mode=mode,
-                                        early_termination_threshold=threshold), SAMPLING)
+                                        early_termination_threshold=threshold, expand=expand), SAMPLING, seed=seed)
     return rollout, env, backend, fb
 
 
@@ -357,3 +357,55 @@ def test_assign_advantages_flags_zero_variance_groups():
     assert zero.shape == (len(rollout.nodes), 3) and zero.all()
     for node in rollout.nodes:
         assert node.advantages.shape == (3, 2) and np.all(node.advantages == 0.0)
+
+
+# ---------------------------------------------------------------- tree budgets (trainer.expand)
+
+@pytest.mark.parametrize("mode, n, t, k, rule, children", [
+    ("align", 2, 3, 4, "top:2", 2), ("cross", 2, 3, 2, "top:1", 1), ("cross", 2, 2, 3, "random:4", 4),
+    ("align", 2, 3, 2, "top:5", 2),  # M above J: every joint action, as "all"
+])
+def test_expand_rules_give_exact_node_and_leaf_counts(mode, n, t, k, rule, children):
+    rollout, _, backend, fb = run(mode, n, t, k, expand=rule, seed=7)
+    nodes, j = rollout.nodes, num_joint(mode, k, n)
+    for b in range(B):
+        tree = [node for node in nodes if node.tree == b]
+        assert len(tree) == sum(children**turn for turn in range(t))
+        # every joint action of every node is a leaf but the `children` expanded ones of non-final nodes
+        assert count_leaves(tree) == len(tree) * j - sum(children**turn for turn in range(1, t))
+    assert len(fb.calls) == B * sum(children**turn for turn in range(1, t))
+    assert tree_size(mode, k, n, t, rule) == (len(nodes) // B, len(nodes) // B * n * k)
+    assert not any(node.terminated.any() for node in nodes)  # left out, not terminated
+
+
+def test_top_expands_the_highest_rewards_and_leaves_are_their_own_return():
+    rollout, *_ = run("cross", 2, 2, 2, expand="top:1")
+    for node in [n for n in rollout.nodes if n.turn == 0]:
+        # sums [0, 1, 1, 2] (+ offset): only the joint action (1, 1) expands; ties would go to the lower index
+        assert [c is not None for c in node.children] == [False, False, False, True]
+    assign_advantages(rollout.nodes, 1.0, "mean", "mean", "none")
+    root = rollout.nodes[0]
+    np.testing.assert_allclose(root.returns[:3], root.rewards[:3])  # leaves: G = r
+    assert root.returns[3] == root.rewards[3] + rollout.nodes[root.children[3]].returns.mean()
+
+
+def test_random_expansion_is_seeded_per_node_and_applies_after_early_termination():
+    first = run("cross", 2, 3, 2, expand="random:2", seed=3)[0]
+    again = run("cross", 2, 3, 2, expand="random:2", seed=3)[0]
+    picks = [[c is not None for c in node.children] for node in first.nodes]
+    assert picks == [[c is not None for c in node.children] for node in again.nodes]
+    assert picks != [[c is not None for c in node.children] for node in run("cross", 2, 3, 2, expand="random:2",
+                                                                            seed=4)[0].nodes]
+    # threshold 2 stops (1, 1) first; random:3 then expands the other three
+    rollout = run("cross", 2, 2, 2, threshold=2.0, expand="random:3", seed=3)[0]
+    for node in [n for n in rollout.nodes if n.turn == 0]:
+        assert [c is not None for c in node.children] == [True, True, True, False]
+
+
+@pytest.mark.parametrize("rule", ["top", "top:0", "random:x", "best:2", "top:-1"])
+def test_a_bad_expand_rule_is_a_config_error(make_cfg, rule):
+    from magrpo.config import ConfigError
+    from magrpo.trainer import prepare
+
+    with pytest.raises(ConfigError, match=r"trainer.expand: .* is not an expansion rule; choose one of: all, top:M, random:M"):
+        prepare(make_cfg(f"trainer.expand='{rule}'"))
