@@ -30,6 +30,7 @@ CASES = {
     "env=length_ratio external.mode=level_feedback": ("external.mode", ["'level_feedback'", "env=code"]),
     "resume=/no/such/checkpoint": ("resume", ["not a complete checkpoint folder"]),
     "resume=auto": ("resume", ["logging.run_dir"]),
+    "resume_force=[trainer.lrr]": ("resume_force", ["'trainer.lrr'", "not a config key or section"]),
     "checkpoint.keep=0": ("checkpoint.keep", [">= 1"]),
     "reward.on_error=ignore": ("reward.on_error", ["'ignore'", "raise, zero"]),
     "external.max_concurrency=0": ("external.max_concurrency", [">= 1"]),
