@@ -25,22 +25,22 @@ LOGS = ("metrics.jsonl", "rollouts.jsonl")
 def repair_log(path: Path, last_step: int) -> None:
     """Keep every valid line with step <= last_step, in order; drop valid lines after it (the resumed
     run writes those steps again). Lines that are not a JSON object with a step (a torn last line, or
-    garbage in the middle) move to `<file>.corrupt`, with one line saying so. Rewritten atomically."""
+    garbage in the middle) move, byte for byte, to `<file>.corrupt`, with one line saying so. The log
+    is rewritten atomically."""
     if not path.is_file():
         return
-    lines = path.read_text(errors="replace").splitlines(keepends=True)
-    kept, bad = split_log(lines, last_step)
+    kept, bad = split_log(path.read_bytes().splitlines(keepends=True), last_step)
     if bad:
-        with open(path.with_name(path.name + ".corrupt"), "a") as aside:
-            aside.writelines(line if line.endswith("\n") else line + "\n" for _, line in bad)
+        with open(path.with_name(path.name + ".corrupt"), "ab") as aside:
+            aside.writelines(_ended(line) for _, line in bad)
         print(f"magrpo: {path}: line(s) {', '.join(str(n) for n, _ in bad)} are not valid JSON records (torn or "
               f"garbled); moved to {path.name}.corrupt", file=sys.stderr)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(kept))
+    tmp.write_bytes(b"".join(kept))
     os.replace(tmp, path)
 
 
-def split_log(lines: Sequence[str], last_step: int) -> tuple[list[str], list[tuple[int, str]]]:
+def split_log(lines: Sequence[bytes], last_step: int) -> tuple[list[bytes], list[tuple[int, bytes]]]:
     """(lines to keep, [(1-based line number, line) that do not parse])."""
     kept, bad = [], []
     for number, line in enumerate(lines, 1):
@@ -48,14 +48,18 @@ def split_log(lines: Sequence[str], last_step: int) -> tuple[list[str], list[tup
         if step is None:
             bad.append((number, line))
         elif step <= last_step:
-            kept.append(line if line.endswith("\n") else line + "\n")
+            kept.append(_ended(line))
     return kept, bad
 
 
-def _step_of(line: str) -> int | None:
+def _ended(line: bytes) -> bytes:
+    return line if line.endswith(b"\n") else line + b"\n"
+
+
+def _step_of(line: bytes) -> int | None:
     try:
         record = json.loads(line)
-    except ValueError:
+    except ValueError:  # UnicodeDecodeError included
         return None
     step = record.get("step") if isinstance(record, dict) else None
     return step if isinstance(step, int) and not isinstance(step, bool) else None

@@ -305,11 +305,12 @@ def test_repair_log_keeps_valid_lines_up_to_the_step(tmp_path, capsys):
     from magrpo.run_io import repair_log
 
     log = tmp_path / "metrics.jsonl"
-    log.write_text('{"step": 1}\n{"step": 2, "x": [1,\n[3]\n{"step": 2}\n{"step": 3}\n{"step": 2}\n{"step": 4, "y"')
+    log.write_bytes(b'{"step": 1}\n{"step": 2, "x": [1,\n[3]\n{"step": 2}\n{"step": 3}\n\xff\xfe\n{"step": 2}\n'
+                    b'{"step": 4, "y"')
     repair_log(log, 2)
-    assert log.read_text() == '{"step": 1}\n{"step": 2}\n{"step": 2}\n'
-    assert (tmp_path / "metrics.jsonl.corrupt").read_text() == '{"step": 2, "x": [1,\n[3]\n{"step": 4, "y"\n'
-    assert "line(s) 2, 3, 7 are not valid JSON records" in capsys.readouterr().err
+    assert log.read_bytes() == b'{"step": 1}\n{"step": 2}\n{"step": 2}\n'
+    assert (tmp_path / "metrics.jsonl.corrupt").read_bytes() == b'{"step": 2, "x": [1,\n[3]\n\xff\xfe\n{"step": 4, "y"\n'
+    assert "line(s) 2, 3, 6, 8 are not valid JSON records" in capsys.readouterr().err
 
 
 def test_an_error_on_rank_0_is_raised_on_every_rank():
