@@ -1,28 +1,54 @@
-"""Checkpoints that resume exactly: written atomically, found again by `resume=auto`.
+"""Checkpoints that resume exactly: written atomically, verified, found again by `resume=auto`.
 
 A checkpoint is RUN_DIR/checkpoints/step_NNNNNN/ with
     agent_{i}/            the adapter in peft format (usable on its own)
     agent_{i}/train.pt    the exact trainable tensors, optimizer and scheduler state
     trainer.pt            step counters, data order, and per process: RNG states and env counters
-    COMPLETE              written last
+    config.json           the run's resolved config
+    COMPLETE              written last: the step and a sha256 of every other file
 It is built in a temporary folder and renamed into place, so a crash mid-write leaves no folder
-that `resume=auto` would pick; a folder whose files do not load is skipped with a warning.
-With data parallelism only rank 0 reads and writes checkpoints; the others get their part from it.
+that `resume=auto` would pick (start-up removes such temp folders). A checkpoint whose files do not
+match their checksums is unreadable: `resume=auto` falls back to the one before, saying why.
+
+A resume never destroys: the checkpoint is chosen, verified and its config compared before any
+model loads, and nothing in the run dir changes until one that matches the run has loaded; every
+refusal is one ConfigError line. With data parallelism only rank 0 reads and writes checkpoints;
+the others get their part (or rank 0's error) from it.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
 import shutil
 import sys
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
 
+from .config import ConfigError, flatten, under
+from .run_io import LOGS, repair_log, set_aside_logs
+
 PREFIX = "step_"
+TMP_PREFIX = ".tmp-"
+
+# Keys that may differ between a checkpoint's config and the resuming run's: they change how long the
+# run goes, what it logs or evaluates, and how fast it runs, never what it trains. A key matches when
+# it is one of these or lies under one (`logging` covers `logging.run_dir`).
+SAFE_TO_CHANGE = (
+    "trainer.steps", "trainer.micro_batch_size", "trainer.max_bad_steps", "trainer.dist_timeout_min",
+    "generation.max_batch_rows", "model.device", "vllm.gpu_memory_utilization", "vllm.enforce_eager",
+    "vllm.sleep_mode", "vllm.kv_cache_gb", "external.max_concurrency", "external.expert.timeout_s",
+    "external.expert.max_retries", "external.expert.backoff_s", "external.expert.cache",
+    "external.expert.api_key_env", "eval", "logging", "checkpoint", "resume", "resume_force",
+)
+
+
+class Unreadable(Exception):
+    """A checkpoint that cannot be trusted (missing or changed file, torn write): try an older one."""
 
 
 def folder_of(run_dir: Path, step: int) -> Path:
@@ -45,9 +71,9 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save(run_dir: Path, step: int, agents: Sequence[Any], updaters: Sequence[Any], trainer_state: dict[str, Any],
-         keep: int) -> Path:
+         config: dict[str, Any], keep: int) -> Path:
     final = folder_of(run_dir, step)
-    tmp = final.parent / f".tmp-{final.name}-{os.getpid()}"
+    tmp = final.parent / f"{TMP_PREFIX}{final.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     for agent, updater in zip(agents, updaters):
@@ -58,11 +84,26 @@ def save(run_dir: Path, step: int, agents: Sequence[Any], updaters: Sequence[Any
             "scheduler": updater.scheduler.state_dict(),
         }, folder / "train.pt")
     torch.save(trainer_state, tmp / "trainer.pt")
-    (tmp / "COMPLETE").write_text(json.dumps({"step": step}))
+    (tmp / "config.json").write_text(json.dumps(config, indent=2, default=str))
+    (tmp / "COMPLETE").write_text(json.dumps({"step": step, "sha256": checksums(tmp)}, indent=1))
     shutil.rmtree(final, ignore_errors=True)  # a checkpoint of the same step from an earlier attempt
     os.replace(tmp, final)
     _prune(final.parent, keep)
     return final
+
+
+def checksums(folder: Path) -> dict[str, str]:
+    """sha256 of every file under folder but COMPLETE, by path relative to folder."""
+    return {p.relative_to(folder).as_posix(): _sha256(p)
+            for p in sorted(folder.rglob("*")) if p.is_file() and p.name != "COMPLETE"}
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def _prune(folder: Path, keep: int) -> None:
@@ -78,14 +119,145 @@ def candidates(run_dir: Path) -> list[Path]:
         if folder.is_dir() else []
 
 
+def holds_checkpoints(run_dir: Path) -> bool:
+    """Any step_* folder, complete or not: the run dir belongs to a run that got that far."""
+    return any((run_dir / "checkpoints").glob(f"{PREFIX}*"))
+
+
+def verify(path: Path) -> dict[str, Any]:
+    """The COMPLETE manifest, after checking every file against its sha256; raises Unreadable.
+    A checkpoint written before checksums existed is returned unverified, with a warning."""
+    try:
+        manifest = json.loads((path / "COMPLETE").read_text())
+    except (OSError, ValueError) as e:
+        raise Unreadable(f"COMPLETE does not parse: {e}") from None
+    if not isinstance(manifest, dict) or "step" not in manifest:
+        raise Unreadable("COMPLETE holds no step")
+    if "sha256" not in manifest:
+        print(f"magrpo: checkpoint {path} has no checksums and no config (written by an older magrpo): "
+              f"loading it unverified", file=sys.stderr)
+        return manifest
+    for name, expected in manifest["sha256"].items():
+        if not (path / name).is_file():
+            raise Unreadable(f"{name} is missing")
+        if _sha256(path / name) != expected:
+            raise Unreadable(f"{name} does not match its sha256 in COMPLETE")
+    return manifest
+
+
+def stored_config(path: Path, manifest: dict[str, Any]) -> dict[str, Any] | None:
+    """The config the checkpoint was written with (None: an older checkpoint without one)."""
+    if "sha256" not in manifest or "config.json" not in manifest["sha256"]:
+        return None
+    return json.loads((path / "config.json").read_text())
+
+
+ABSENT = "<absent>"
+
+
+def config_changes(stored: dict[str, Any], current: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """Keys whose values differ (a key set on one side only included), other than SAFE_TO_CHANGE."""
+    old = flatten(json.loads(json.dumps(stored, default=str)))  # the JSON round trip the stored one took
+    new = flatten(json.loads(json.dumps(current, default=str)))
+    keys = sorted(set(old) | set(new))
+    return {k: (old.get(k, ABSENT), new.get(k, ABSENT)) for k in keys
+            if old.get(k, ABSENT) != new.get(k, ABSENT) and not under(k, SAFE_TO_CHANGE)}
+
+
+def check_config(path: Path, stored: dict[str, Any], current: dict[str, Any]) -> None:
+    """Raise ConfigError (one line) when the resuming config differs from the checkpoint's in a key
+    that is neither safe to change nor listed in the current `resume_force`."""
+    changes = config_changes(stored, current)
+    forced = list(current.get("resume_force") or [])
+    refused = {k: v for k, v in changes.items() if not under(k, forced)}
+    if refused:
+        raise ConfigError("resume", f"the config differs from checkpoint {path}'s in {_listing(refused)}; use the "
+                                    f"checkpoint's values, or another logging.run_dir for a new run, or resume_force=["
+                                    f"{','.join(refused)}] to continue with the new values; nothing was changed")
+    if changes:
+        print(f"magrpo: resuming with changed {_listing(changes)} (resume_force)", file=sys.stderr)
+
+
+def _listing(changes: dict[str, tuple[Any, Any]]) -> str:
+    return ", ".join(f"{k} ({_short(a)} -> {_short(b)})" for k, (a, b) in changes.items())
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value) if value != ABSENT else value
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def matches(path: Path, config: dict[str, Any]) -> None:
+    """Raise Unreadable (a file changed or missing) or ConfigError (the config differs) for the
+    checkpoint at path; reads no tensors, so it runs before any model loads."""
+    manifest = verify(path)
+    try:
+        stored = stored_config(path, manifest)
+    except ValueError as e:
+        raise Unreadable(f"config.json does not parse: {e}") from None
+    if stored is not None:
+        check_config(path, stored, config)
+
+
+def choose(setting: str | None, run_dir: str | None, config: dict[str, Any]) -> Path | None:
+    """The checkpoint to continue from (None: a fresh start), decided before any model loads. Raises
+    ConfigError (one line) whenever going on could overwrite another run's files: a config that
+    differs from the checkpoint's, no readable checkpoint in a run dir that holds some, or a fresh
+    start in such a dir. `auto` falls back from an unreadable checkpoint to the one before."""
+    holds = run_dir is not None and holds_checkpoints(Path(run_dir))
+    if setting is None:
+        if holds:
+            raise ConfigError("logging.run_dir", f"{run_dir} holds checkpoints of an earlier run; continue it with "
+                                                 f"resume=auto, or pick another logging.run_dir; nothing was changed")
+        return None
+    if setting != "auto":
+        try:
+            matches(Path(setting), config)
+        except Unreadable as e:
+            raise ConfigError("resume", f"checkpoint {setting} is unreadable ({e}); give another checkpoint "
+                                        f"folder or resume=auto; nothing was changed") from None
+        return Path(setting)
+    for path in candidates(Path(run_dir)):
+        try:
+            matches(path, config)
+        except Unreadable as e:
+            print(f"magrpo: skipping checkpoint {path}: {e}", file=sys.stderr)
+            continue
+        return path
+    if holds:
+        raise ConfigError("resume", f"no checkpoint under {Path(run_dir) / 'checkpoints'} can be read; nothing was "
+                                    f"changed: restore one, or start a new run with another logging.run_dir")
+    return None
+
+
 def read(path: Path, agents: Sequence[Any], updaters: Sequence[Any]) -> dict[str, Any]:
-    """A checkpoint's contents (tensors on the CPU), checked against the agents; changes nothing."""
-    trainer_state = torch.load(path / "trainer.pt", weights_only=False, map_location="cpu")
-    parts = [torch.load(path / agent.adapter / "train.pt", weights_only=False, map_location="cpu") for agent in agents]
-    for part, updater in zip(parts, updaters):
-        if len(part["params"]) != len(updater.params):
-            raise ValueError(f"{path}: {len(part['params'])} adapter tensors, the model has {len(updater.params)}")
+    """The chosen checkpoint's contents (tensors on the CPU), checked against the agents' tensor
+    shapes; changes nothing. Raises ConfigError (one line) when they do not load or fit."""
+    try:
+        trainer_state = torch.load(path / "trainer.pt", weights_only=False, map_location="cpu")
+        parts = [torch.load(path / agent.adapter / "train.pt", weights_only=False, map_location="cpu")
+                 for agent in agents]
+    except Exception as e:  # only a checkpoint without checksums gets here torn or garbled
+        raise ConfigError("resume", f"checkpoint {path} does not load ({type(e).__name__}: {_first_line(e)}); "
+                                    f"move it away or give another with resume=PATH; nothing was changed") from None
+    for agent, part, updater in zip(agents, parts, updaters):
+        _check_shapes(path, agent.adapter, part["params"], updater.params)
+    print(f"magrpo: resuming from {path}", file=sys.stderr)
     return {"trainer": trainer_state, "agents": parts}
+
+
+def _check_shapes(path: Path, adapter: str, saved: Sequence[torch.Tensor], params: Sequence[torch.Tensor]) -> None:
+    shapes = [tuple(t.shape) for t in saved], [tuple(p.shape) for p in params]
+    if shapes[0] != shapes[1]:
+        diff = next((i for i, (a, b) in enumerate(zip(*shapes)) if a != b), min(map(len, shapes)))
+        got = f"tensor {diff}: {list(shapes[0][diff])} vs {list(shapes[1][diff])}" if diff < min(map(len, shapes)) \
+            else f"{len(shapes[0])} tensors vs {len(shapes[1])}"
+        raise ConfigError("resume", f"{path}/{adapter} does not fit this config's adapters ({got}); the model, "
+                                    f"lora and agent settings must be the checkpoint's; nothing was changed")
+
+
+def _first_line(e: BaseException) -> str:
+    return str(e).splitlines()[0] if str(e) else ""
 
 
 def apply(contents: dict[str, Any], updaters: Sequence[Any]) -> dict[str, Any]:
@@ -94,36 +266,62 @@ def apply(contents: dict[str, Any], updaters: Sequence[Any]) -> dict[str, Any]:
         for part, updater in zip(contents["agents"], updaters):
             for target, value in zip(updater.params, part["params"]):
                 target.copy_(value)
+            configured = _hyperparameters(updater)
             updater.optimizer.load_state_dict(part["optimizer"])
             updater.scheduler.load_state_dict(part["scheduler"])
+            _set_hyperparameters(updater, configured)
     return contents["trainer"]
 
 
-def find(setting: str, run_dir: Path, agents: Sequence[Any], updaters: Sequence[Any]) -> dict[str, Any] | None:
-    """`auto`: the newest checkpoint of run_dir that loads (None: start fresh); else a checkpoint path."""
-    if setting != "auto":
-        return read(Path(setting), agents, updaters)
-    for path in candidates(run_dir):
+def _hyperparameters(updater: Any) -> list[dict[str, float]]:
+    return [{"initial_lr": g["initial_lr"], "weight_decay": g["weight_decay"]} for g in updater.optimizer.param_groups]
+
+
+def _set_hyperparameters(updater: Any, configured: list[dict[str, float]]) -> None:
+    """The run's own lr, weight decay and warm-up over the checkpoint's (the same values unless a
+    `resume_force` changed them): the optimizer state would otherwise keep the old ones silently."""
+    scheduler = updater.scheduler
+    scheduler.base_lrs = [c["initial_lr"] for c in configured]
+    for group, c, factor in zip(updater.optimizer.param_groups, configured, scheduler.lr_lambdas):
+        group.update(c)
+        group["lr"] = c["initial_lr"] * factor(scheduler.last_epoch)
+    scheduler._last_lr = [g["lr"] for g in updater.optimizer.param_groups]
+
+
+def on_main(world: Any, read_it: Callable[[], Any]) -> Any:
+    """read_it() on rank 0, its result on every rank. An error on rank 0 is raised on every rank (as a
+    ConfigError when it is one, else a RuntimeError naming it), so no rank waits for the others."""
+    outcome = None
+    if world.is_main:
         try:
-            contents = read(path, agents, updaters)
-        except Exception as e:  # truncated or corrupt: fall back to the one before
-            print(f"magrpo: skipping checkpoint {path} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})",
-                  file=sys.stderr)
-            continue
-        print(f"magrpo: resuming from {path}", file=sys.stderr)
-        return contents
-    return None
+            outcome = {"value": read_it()}
+        except ConfigError as e:
+            outcome = {"config_error": (e.key, str(e)[len(e.key) + 2:])}
+        except Exception as e:
+            if world.size == 1:
+                raise
+            world.broadcast({"error": f"{type(e).__name__}: {_first_line(e)}"})
+            raise
+    outcome = world.broadcast(outcome)
+    if "config_error" in outcome:
+        raise ConfigError(*outcome["config_error"])
+    if "error" in outcome:
+        raise RuntimeError(f"rank 0 failed: {outcome['error']}")
+    return outcome["value"]
 
 
-def truncate_log(path: Path, last_step: int) -> None:
-    """Drop lines written after `last_step` (the interrupted run got further than its checkpoint)."""
-    if not path.is_file():
+def remove_stale_tmp(run_dir: Path) -> None:
+    """Temporary folders of checkpoints whose writer died before the rename (never a complete one)."""
+    for tmp in (run_dir / "checkpoints").glob(f"{TMP_PREFIX}{PREFIX}*"):
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def claim_run_dir(run_dir: Path, step: int | None) -> None:
+    """Rank 0, once the resume decision is made: drop dead temp folders, and make the logs read as if
+    the run had never stopped (resumed at `step`) or set an unfinished run's logs aside (None)."""
+    remove_stale_tmp(run_dir)
+    if step is None:
+        set_aside_logs(run_dir)
         return
-    kept = []
-    for line in path.read_text().splitlines(keepends=True):
-        try:
-            if json.loads(line)["step"] <= last_step:
-                kept.append(line)
-        except (ValueError, KeyError):
-            break  # a half-written last line
-    path.write_text("".join(kept))
+    for name in LOGS:  # what the interrupted run wrote after its checkpoint
+        repair_log(run_dir / name, step)

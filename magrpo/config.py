@@ -6,9 +6,9 @@ import dataclasses
 import math
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 
 class ConfigError(ValueError):
@@ -262,7 +262,24 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     resume: Optional[str] = None
-    """Continue a run: auto (the newest complete checkpoint in logging.run_dir; none: start fresh) | a checkpoint folder | null."""
+    """Continue a run: auto (the newest readable checkpoint in logging.run_dir; none there at all: start fresh) | a checkpoint folder | null (a fresh run: logging.run_dir must hold no checkpoints)."""
+    resume_force: list[str] = field(default_factory=list)
+    """Keys (or sections, e.g. trainer.lr, external) allowed to differ from the checkpoint's config on resume; without them a change in anything but trainer.steps, logging, eval, checkpoint and speed settings stops the resume."""
+
+
+def flatten(config: Any, prefix: str = "") -> dict[str, Any]:
+    """Dotted keys to leaf values of a nested dict; lists are leaves (agents, target_modules)."""
+    if not isinstance(config, dict):
+        return {prefix: config}
+    out: dict[str, Any] = {}
+    for key, value in config.items():
+        out.update(flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+    return out
+
+
+def under(key: str, names: Sequence[str]) -> bool:
+    """key is one of names, or lies in a section named there (`logging` covers `logging.run_dir`)."""
+    return any(key == name or key.startswith(name + ".") for name in names)
 
 
 def _choice(key: str, value: str, allowed: list[str]) -> None:
@@ -330,6 +347,10 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError("resume", f"{cfg.resume!r} is not a complete checkpoint folder (give auto, null or a checkpoints/step_N folder)")
     if cfg.resume == "auto" and not cfg.logging.run_dir:
         raise ConfigError("resume", "auto needs logging.run_dir: the run directory whose checkpoints to continue from")
+    keys = flatten(asdict(cfg))
+    unknown = [name for name in cfg.resume_force if not any(under(key, [name]) for key in keys)]
+    if unknown:
+        raise ConfigError("resume_force", f"{unknown[0]!r} is not a config key or section (e.g. trainer.lr, external)")
     _at_least("trainer.kl_coef", t.kl_coef, 0.0)
     _at_least("trainer.max_grad_norm", t.max_grad_norm, 0.0)
     if t.lr <= 0:

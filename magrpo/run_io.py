@@ -5,6 +5,7 @@ import json
 import netrc
 import os
 import re
+import sys
 import time
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -16,6 +17,64 @@ def make_run_dir(run_dir: str | None, env_name: str) -> Path:
     path = Path(run_dir) if run_dir else Path("runs") / f"{env_name}-{time.strftime('%Y%m%d-%H%M%S')}"
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+LOGS = ("metrics.jsonl", "rollouts.jsonl")
+
+
+def repair_log(path: Path, last_step: int) -> None:
+    """Keep every valid line with step <= last_step, in order; drop valid lines after it (the resumed
+    run writes those steps again). Lines that are not a JSON object with a step (a torn last line, or
+    garbage in the middle) move, byte for byte, to `<file>.corrupt`, with one line saying so. The log
+    is rewritten atomically."""
+    if not path.is_file():
+        return
+    kept, bad = split_log(path.read_bytes().splitlines(keepends=True), last_step)
+    if bad:
+        with open(path.with_name(path.name + ".corrupt"), "ab") as aside:
+            aside.writelines(_ended(line) for _, line in bad)
+        print(f"magrpo: {path}: line(s) {', '.join(str(n) for n, _ in bad)} are not valid JSON records (torn or "
+              f"garbled); moved to {path.name}.corrupt", file=sys.stderr)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(b"".join(kept))
+    os.replace(tmp, path)
+
+
+def split_log(lines: Sequence[bytes], last_step: int) -> tuple[list[bytes], list[tuple[int, bytes]]]:
+    """(lines to keep, [(1-based line number, line) that do not parse])."""
+    kept, bad = [], []
+    for number, line in enumerate(lines, 1):
+        step = _step_of(line)
+        if step is None:
+            bad.append((number, line))
+        elif step <= last_step:
+            kept.append(_ended(line))
+    return kept, bad
+
+
+def _ended(line: bytes) -> bytes:
+    return line if line.endswith(b"\n") else line + b"\n"
+
+
+def _step_of(line: bytes) -> int | None:
+    try:
+        record = json.loads(line)
+    except ValueError:  # UnicodeDecodeError included
+        return None
+    step = record.get("step") if isinstance(record, dict) else None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
+def set_aside_logs(run_dir: Path) -> None:
+    """A fresh start in a run dir that holds logs but no checkpoint (a run stopped before its first):
+    the old files are renamed, never overwritten."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    moved = [name for name in (*LOGS, "config.json") if (run_dir / name).is_file()]
+    for name in moved:
+        os.replace(run_dir / name, run_dir / f"{name}.before-{stamp}")
+    if moved:
+        print(f"magrpo: no checkpoint in {run_dir}: starting over; the earlier {', '.join(moved)} renamed to "
+              f"*.before-{stamp}", file=sys.stderr)
 
 
 def tree_records(step: int, problems: Sequence[Mapping[str, Any]], nodes: list[Node]) -> list[dict]:

@@ -107,6 +107,8 @@ def train(cfg: TrainConfig, prepared: tuple[Environment, Feedback] | None = None
 
 
 def _train(cfg: TrainConfig, env: Environment, feedback: Feedback, world: World) -> Path:
+    # Before any model loads: a resume that does not match its run stops here (rank 0 decides).
+    chosen = checkpoint.on_main(world, lambda: checkpoint.choose(cfg.resume, cfg.logging.run_dir, asdict(cfg)))
     seed_everything(cfg.trainer.seed)  # the same on every rank: identical initial adapters
     t = cfg.trainer
     from .models import load_agents
@@ -117,25 +119,22 @@ def _train(cfg: TrainConfig, env: Environment, feedback: Feedback, world: World)
     run_dir = Path(world.broadcast(str(make_run_dir(cfg.logging.run_dir, cfg.env["name"])) if world.is_main else None))
     sampler = ProblemSampler(env.problems("train"), t.seed)  # the same order on every rank; each takes its shard
     first_step, env_step = 1, 0
-    if cfg.resume:
-        found = checkpoint.find(cfg.resume, run_dir, agents, updaters) if world.is_main else None
-        found = world.broadcast(found)  # rank 0 reads the checkpoint: other machines need no shared disk
-        state = checkpoint.apply(found, updaters) if found else None
-        last = state["step"] if state else -1  # auto without a checkpoint: start over, drop old logs
-        if state:
-            first_step, env_step = state["step"] + 1, state["env_step"]
-            sampler.load_state(state["sampler"])
-            ranks = state["ranks"]
-            if len(ranks) != world.size and world.is_main:
-                print(f"magrpo: the checkpoint was written by {len(ranks)} process(es), resuming with {world.size}: "
-                      f"rollouts are the same (seeded per tree), other random draws (LoRA dropout) are not",
-                      file=sys.stderr)
-            mine = ranks[min(world.rank, len(ranks) - 1)]
-            checkpoint.set_rng_state(mine["rng"])
-            env.load_state(mine["env"])
-        if world.is_main:
-            for name in ("metrics.jsonl", "rollouts.jsonl"):  # what the interrupted run wrote after its checkpoint
-                checkpoint.truncate_log(run_dir / name, last)
+    # Rank 0 reads the checkpoint (other machines need no shared disk); its errors stop every rank.
+    found = checkpoint.on_main(world, lambda: checkpoint.read(chosen, agents, updaters)) if chosen else None
+    state = checkpoint.apply(found, updaters) if found else None
+    if state:
+        first_step, env_step = state["step"] + 1, state["env_step"]
+        sampler.load_state(state["sampler"])
+        ranks = state["ranks"]
+        if len(ranks) != world.size and world.is_main:
+            print(f"magrpo: the checkpoint was written by {len(ranks)} process(es), resuming with {world.size}: "
+                  f"rollouts are the same (seeded per tree), other random draws (LoRA dropout) are not",
+                  file=sys.stderr)
+        mine = ranks[min(world.rank, len(ranks) - 1)]
+        checkpoint.set_rng_state(mine["rng"])
+        env.load_state(mine["env"])
+    if world.is_main:  # only now, with a matching checkpoint loaded (or none to match), is the run dir touched
+        checkpoint.claim_run_dir(run_dir, state["step"] if state else None)
     writer = RunWriter(run_dir, asdict(cfg), cfg.logging.wandb) if world.is_main else NullWriter()
     eval_problems = env.problems("eval")[: cfg.eval.max_problems or None] if evaluates(cfg) else []
     tree = TreeSettings(t.num_generations, t.num_turns, t.joint_mode, t.early_termination_threshold, cfg.reward.on_error,
@@ -157,7 +156,7 @@ def _train(cfg: TrainConfig, env: Environment, feedback: Feedback, world: World)
         ranks = world.gather({"rng": checkpoint.rng_state(), "env": env.state()})
         if world.is_main:
             state = {"step": step, "env_step": env_step, "sampler": sampler.state(), "ranks": ranks}
-            checkpoint.save(run_dir, step, agents, updaters, state, cfg.checkpoint.keep)
+            checkpoint.save(run_dir, step, agents, updaters, state, asdict(cfg), cfg.checkpoint.keep)
 
     def own_metrics(*parts: dict[str, float]) -> dict[str, float]:
         """The env's, feedback's and backend's own numbers, merged over ranks (rank 0)."""

@@ -30,6 +30,7 @@ CASES = {
     "env=length_ratio external.mode=level_feedback": ("external.mode", ["'level_feedback'", "env=code"]),
     "resume=/no/such/checkpoint": ("resume", ["not a complete checkpoint folder"]),
     "resume=auto": ("resume", ["logging.run_dir"]),
+    "resume_force=[trainer.lrr]": ("resume_force", ["'trainer.lrr'", "not a config key or section"]),
     "checkpoint.keep=0": ("checkpoint.keep", [">= 1"]),
     "env=length_ratio env.eval_size=0": ("env.eval_size", ["selects no eval problems"]),  # more in test_bad_input.py
     "env=code env.timeout_s=-1": ("env.timeout_s", ["> 0"]),

@@ -3,6 +3,7 @@ their numbers), then real `torchrun --nproc_per_node=2` runs on CPU (gloo) again
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -138,6 +139,16 @@ def test_a_two_process_run_resumes_from_its_checkpoint(tmp_path, single):
     assert (run_dir / "rollouts.jsonl").read_bytes() == (single / "rollouts.jsonl").read_bytes()
     for p, q in zip(lora(single, 3)[1], lora(run_dir, 3)[1]):
         torch.testing.assert_close(q, p, atol=1e-6, rtol=0)
+    # A refusal found by rank 0 (here a changed config) stops both processes at once, nothing written.
+    before = sorted((p.relative_to(run_dir), p.stat().st_mtime_ns) for p in run_dir.rglob("*"))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           "train.py", *RUN, f"logging.run_dir={run_dir}", "resume=auto", "trainer.lr=0.5"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and f"{os.sep}magrpo{os.sep}" not in proc.stderr, proc.stderr[-3000:]  # no traceback
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("config error: resume: the config differs")]
+    # Whichever process reports first, torchrun stops the other: rank 1 got the error from rank 0.
+    assert errors and "trainer.lr (1e-05 -> 0.5)" in errors[0], proc.stderr[-3000:]
+    assert sorted((p.relative_to(run_dir), p.stat().st_mtime_ns) for p in run_dir.rglob("*")) == before
 
 
 @pytest.mark.parametrize("overrides,key", [(["trainer.batch_size=2"], "trainer.batch_size"),

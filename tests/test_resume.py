@@ -1,5 +1,6 @@
-"""Runs that survive: seeded runs repeat exactly, and a run killed at any point (SIGKILL, SIGTERM)
-continues from its last complete checkpoint to the same rollouts and metrics as an uninterrupted run."""
+"""Runs that survive: seeded runs repeat exactly, a run killed at any point (SIGKILL, SIGTERM)
+continues from its last complete checkpoint to the same rollouts, metrics and adapters as an
+uninterrupted run, and a resume that does not match the run changes nothing in its run dir."""
 from __future__ import annotations
 
 import json
@@ -35,6 +36,45 @@ def comparable(run_dir):
     metrics = [{k: v for k, v in json.loads(line).items() if not k.startswith("perf/")}
                for line in open(run_dir / "metrics.jsonl")]
     return (run_dir / "rollouts.jsonl").read_bytes(), metrics
+
+
+def adapters(run_dir):
+    """The final adapters' tensors, every agent."""
+    from safetensors.torch import load_file
+
+    return {p.parent.name: load_file(p) for p in sorted((run_dir / "adapters").glob("*/*.safetensors"))}
+
+
+def same_adapters(a, b):
+    return a.keys() == b.keys() and all(
+        x.keys() == y.keys() and all(x[k].equal(y[k]) for k in x) for x, y in zip(a.values(), b.values()))
+
+
+def snapshot(folder):
+    """Every path under folder, with the bytes of each file."""
+    return {p.relative_to(folder).as_posix(): p.read_bytes() if p.is_file() else None
+            for p in sorted(folder.rglob("*"))}
+
+
+def copy_of(reference, tmp_path):
+    run = tmp_path / "copy"
+    shutil.copytree(reference, run)
+    return run
+
+
+def cli(capsys, run_dir, *overrides):
+    """train.py in this process (no start-up cost): exit code and stderr lines."""
+    from magrpo.cli import main
+
+    capsys.readouterr()
+    code = main([*RUN, f"logging.run_dir={run_dir}", *overrides])
+    return code, capsys.readouterr().err.strip().splitlines()
+
+
+def flip_a_bit(path, at=0.5):
+    data = bytearray(path.read_bytes())
+    data[int(len(data) * at)] ^= 0x01
+    path.write_bytes(bytes(data))
 
 
 @pytest.fixture(scope="module")
@@ -108,3 +148,182 @@ def test_half_written_checkpoint_is_never_picked(reference, tmp_path):
     shutil.copytree(run / "checkpoints" / "step_000004", incomplete)
     os.remove(incomplete / "COMPLETE")
     assert [p.name for p in candidates(run)] == ["step_000004", "step_000003"]
+
+
+def kill_at(run_dir, point, step, *overrides):
+    """A run that SIGKILLs itself at `point` of `step` (tests/kill_at.py)."""
+    cmd = [sys.executable, "-m", "tests.kill_at", point, str(step), *RUN, f"logging.run_dir={run_dir}", *overrides]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    return proc.stderr
+
+
+@pytest.mark.slow
+def test_kill_9_at_three_points_then_resume_auto_matches_the_uninterrupted_run(reference, tmp_path):
+    """One run, killed three times (mid-checkpoint-write, mid-rollouts-line after the step's metrics,
+    between a checkpoint's rename and the pruning of older ones), each time resumed with resume=auto."""
+    run, steps = tmp_path / "killed", tmp_path / "killed" / "checkpoints"
+    kill_at(run, "checkpoint", 2)
+    assert [p.name for p in steps.glob(".tmp-step_000002-*")] and not (steps / "step_000002").exists()
+    err = kill_at(run, "rollouts", 3, "resume=auto")
+    assert f"resuming from {steps / 'step_000001'}" in err
+    assert not list(steps.glob(".tmp-*"))  # the dead writer's temp folder is gone
+    err = kill_at(run, "prune", 3, "resume=auto")
+    assert f"resuming from {steps / 'step_000002'}" in err and "rollouts.jsonl: line(s) 5 " in err
+    assert sorted(p.name for p in steps.iterdir()) == ["step_000001", "step_000002", "step_000003"]
+    err = finish(run, "resume=auto")
+    assert f"resuming from {steps / 'step_000003'}" in err
+    assert comparable(run) == comparable(reference)
+    assert same_adapters(adapters(run), adapters(reference))
+    assert sorted(p.name for p in steps.iterdir()) == ["step_000003", "step_000004"]
+
+
+CHANGES = {  # override on resume -> the key and values the error names
+    "model.tiny_layers=3": "model.tiny_layers (2 -> 3)",
+    "lora.r=8": "lora.r (16 -> 8)",
+    "trainer.lr=0.5": "trainer.lr (0.02 -> 0.5)",
+    "env.num_agents=3": "env.num_agents (2 -> 3)",
+    "trainer.joint_mode=cross": "trainer.joint_mode (\"align\" -> \"cross\")",
+}
+
+
+@pytest.mark.parametrize("change", CHANGES)
+def test_a_config_change_on_resume_stops_with_one_line_and_changes_nothing(reference, tmp_path, capsys, change):
+    run = copy_of(reference, tmp_path)
+    before = snapshot(run)
+    code, err = cli(capsys, run, "resume=auto", change)
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith("config error: resume: the config differs from checkpoint") and CHANGES[change] in err[0]
+    assert f"resume_force=[{CHANGES[change].split()[0]}]" in err[0] and "logging.run_dir" in err[0]
+    assert snapshot(run) == before
+
+
+def test_a_forced_shape_change_is_one_line_too(reference, tmp_path, capsys):
+    run = copy_of(reference, tmp_path)
+    before = snapshot(run)
+    code, err = cli(capsys, run, "resume=auto", "lora.r=8", "resume_force=[lora.r]")
+    assert code == 2 and err[-1].startswith("config error: resume:") and "does not fit" in err[-1], err
+    assert snapshot(run) == before
+
+
+def test_resume_force_continues_with_the_new_value(reference, tmp_path, capsys):
+    run = copy_of(reference, tmp_path)
+    code, err = cli(capsys, run, "resume=auto", "trainer.steps=5", "trainer.lr=0.01", "resume_force=[trainer.lr]")
+    assert code == 0, err
+    assert any("resuming with changed trainer.lr (0.02 -> 0.01) (resume_force)" in line for line in err)
+    last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["step"] == 5 and last["train/agent_0/lr"] == 0.01  # the optimizer took the new lr
+
+
+def test_safe_keys_may_change_on_resume(reference, tmp_path, capsys):
+    run = copy_of(reference, tmp_path)
+    code, err = cli(capsys, run, "resume=auto", "eval.every=0", "checkpoint.keep=3", "trainer.micro_batch_size=4")
+    assert code == 0 and f"magrpo: resuming from {run / 'checkpoints' / 'step_000004'}" in err, err
+
+
+def test_every_checkpoint_unreadable_stops_with_one_line_and_changes_nothing(reference, tmp_path, capsys):
+    run = copy_of(reference, tmp_path)
+    for folder in (run / "checkpoints").glob("step_*"):
+        flip_a_bit(folder / "trainer.pt")
+    before = snapshot(run)
+    code, err = cli(capsys, run, "resume=auto")
+    assert code == 2 and err[-1].startswith("config error: resume: no checkpoint under") and len(err) == 3, err
+    assert all(line.startswith("magrpo: skipping checkpoint") for line in err[:-1])
+    assert snapshot(run) == before
+
+
+def test_a_fresh_start_in_a_run_dir_with_checkpoints_is_refused(reference, tmp_path, capsys):
+    run = copy_of(reference, tmp_path)
+    before = snapshot(run)
+    code, err = cli(capsys, run)
+    assert code == 2 and err == [f"config error: logging.run_dir: {run} holds checkpoints of an earlier run; continue "
+                                 f"it with resume=auto, or pick another logging.run_dir; nothing was changed"]
+    assert snapshot(run) == before
+
+
+def test_an_unreadable_explicit_checkpoint_is_one_line(reference, tmp_path, capsys):
+    run = copy_of(reference, tmp_path)
+    newest = run / "checkpoints" / "step_000004"
+    flip_a_bit(newest / "agent_0" / "train.pt")
+    before = snapshot(run)
+    code, err = cli(capsys, run, f"resume={newest}")
+    assert code == 2 and err == [f"config error: resume: checkpoint {newest} is unreadable (agent_0/train.pt does not "
+                                 f"match its sha256 in COMPLETE); give another checkpoint folder or resume=auto; "
+                                 f"nothing was changed"], err
+    assert snapshot(run) == before
+
+
+def test_a_flipped_bit_falls_back_to_the_previous_checkpoint(reference, tmp_path, capsys):
+    run = copy_of(reference, tmp_path)
+    newest, older = sorted((run / "checkpoints").glob("step_*"), reverse=True)
+    flip_a_bit(newest / "agent_1" / "train.pt", at=0.9)  # a tensor's last bits: torch.load would not notice
+    code, err = cli(capsys, run, "resume=auto")
+    assert code == 0
+    assert f"magrpo: skipping checkpoint {newest}: agent_1/train.pt does not match its sha256 in COMPLETE" in err
+    assert f"magrpo: resuming from {older}" in err
+    assert comparable(run) == comparable(reference)  # step 4 redone the same way
+    assert same_adapters(adapters(run), adapters(reference))
+
+
+def test_a_checkpoint_from_before_checksums_loads_unverified_and_shapes_are_still_checked(reference, tmp_path, capsys):
+    run = copy_of(reference, tmp_path)
+    newest = run / "checkpoints" / "step_000004"
+    (newest / "COMPLETE").write_text(json.dumps({"step": 4}))  # what older magrpo wrote
+    (newest / "config.json").unlink()
+    before = snapshot(run)
+    code, err = cli(capsys, run, "resume=auto", "lora.r=8")
+    assert code == 2 and err[-1].startswith(f"config error: resume: {newest}/agent_0 does not fit this config's "
+                                            f"adapters (tensor 0: [16, "), err
+    assert snapshot(run) == before
+    code, err = cli(capsys, run, "resume=auto")
+    assert code == 0 and "written by an older magrpo): loading it unverified" in " ".join(err)
+    assert f"magrpo: resuming from {newest}" in err
+
+
+def test_logs_keep_every_valid_line_and_the_step_after_the_checkpoint_is_rewritten(reference, tmp_path, capsys):
+    """Garbage in the middle of both logs is moved aside, the lines after it are kept, and a torn last
+    line of the step after the checkpoint leaves no gap."""
+    run = copy_of(reference, tmp_path)
+    shutil.rmtree(run / "checkpoints" / "step_000004")  # resume from step 3: step 4 is redone
+    metrics = (run / "metrics.jsonl").read_text().splitlines(keepends=True)
+    garbled = [*metrics[:1], "{\"step\": 2, \"train/rew\x00\n", *metrics[1:3], metrics[3][:40]]  # step 4 torn
+    (run / "metrics.jsonl").write_text("".join(garbled))
+    rollouts = (run / "rollouts.jsonl").read_text().splitlines(keepends=True)
+    (run / "rollouts.jsonl").write_text("".join([*rollouts[:3], "not json\n", *rollouts[3:]]))
+    code, err = cli(capsys, run, "resume=auto")
+    assert code == 0, err
+    assert f"magrpo: {run / 'metrics.jsonl'}: line(s) 2, 5 are not valid JSON records (torn or garbled); moved to " \
+           f"metrics.jsonl.corrupt" in err
+    assert f"magrpo: {run / 'rollouts.jsonl'}: line(s) 4 are not valid JSON records (torn or garbled); moved to " \
+           f"rollouts.jsonl.corrupt" in err
+    assert comparable(run) == comparable(reference)
+    assert (run / "metrics.jsonl.corrupt").read_text() == garbled[1] + metrics[3][:40] + "\n"
+    assert (run / "rollouts.jsonl.corrupt").read_text() == "not json\n"
+
+
+def test_repair_log_keeps_valid_lines_up_to_the_step(tmp_path, capsys):
+    from magrpo.run_io import repair_log
+
+    log = tmp_path / "metrics.jsonl"
+    log.write_bytes(b'{"step": 1}\n{"step": 2, "x": [1,\n[3]\n{"step": 2}\n{"step": 3}\n\xff\xfe\n{"step": 2}\n'
+                    b'{"step": 4, "y"')
+    repair_log(log, 2)
+    assert log.read_bytes() == b'{"step": 1}\n{"step": 2}\n{"step": 2}\n'
+    assert (tmp_path / "metrics.jsonl.corrupt").read_bytes() == b'{"step": 2, "x": [1,\n[3]\n\xff\xfe\n{"step": 4, "y"\n'
+    assert "line(s) 2, 3, 6, 8 are not valid JSON records" in capsys.readouterr().err
+
+
+def test_an_error_on_rank_0_is_raised_on_every_rank():
+    """Rank 0 reads the checkpoint; its one-line error reaches the other ranks instead of a hang."""
+    from magrpo.checkpoint import on_main
+    from magrpo.config import ConfigError
+
+    class Rank1:
+        is_main, size = False, 2
+
+        def broadcast(self, obj):
+            assert obj is None  # rank 1 sends nothing, gets rank 0's outcome
+            return {"config_error": ("resume", "no checkpoint under X can be read")}
+
+    with pytest.raises(ConfigError, match="^resume: no checkpoint under X can be read$"):
+        on_main(Rank1(), lambda: pytest.fail("only rank 0 reads"))
