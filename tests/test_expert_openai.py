@@ -236,6 +236,17 @@ def test_dead_server_costs_nothing_per_turn_once_the_breaker_is_open(server):
     assert len(server.chat_requests()) == sent and expert.stats()["breaker_open"] == 40
 
 
+@pytest.mark.parametrize("override,allowed", [("turn_deadline_s=0", "must be > 0"), ("breaker_failures=-1", "must be >= 0"),
+                                              ("breaker_cooldown_s=-1", "must be >= 0.0")])
+def test_deadline_and_breaker_settings_are_checked(override, allowed):
+    from magrpo.config import ConfigError, validate
+    from tests.conftest import SMALL, compose
+
+    with pytest.raises(ConfigError) as e:
+        validate(compose([*SMALL, f"external.expert.{override}"]))
+    assert e.value.key == f"external.expert.{override.split('=')[0]}" and allowed in str(e.value)
+
+
 PROBE_AT_EXIT = """
 import socket, time
 from external.expert import OpenAIExpert
