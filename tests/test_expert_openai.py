@@ -164,6 +164,21 @@ def test_retry_after_is_honoured(server):
     assert len(server.chat_requests()) == 2 and expert.stats()["retries"] == 1
 
 
+def test_retry_after_forms():
+    import email.utils
+    from types import SimpleNamespace
+
+    from external.expert.openai_backend import _retry_after
+
+    def error(value):
+        return SimpleNamespace(response=SimpleNamespace(headers={"retry-after": value} if value is not None else {}))
+
+    assert _retry_after(error("7")) == 7.0 and _retry_after(error("1.5")) == 1.5
+    assert 25 < _retry_after(error(email.utils.formatdate(time.time() + 30, usegmt=True))) <= 30
+    assert _retry_after(error(email.utils.formatdate(time.time() - 30, usegmt=True))) == 0.0  # in the past
+    assert _retry_after(error("soon")) == _retry_after(error(None)) == _retry_after(SimpleNamespace()) == 0.0
+
+
 def test_retry_after_beyond_the_turn_deadline_fails_at_once(server):
     server.script(CHAT, Reply(status=429, headers={"Retry-After": "30"}))
     expert = _expert(server.url, turn_deadline_s=3.0)
