@@ -214,6 +214,18 @@ def test_a_hung_server_costs_one_turn_at_most_the_deadline(server):
 RETRIED = (2, 2, 1, 4)  # calls, failures, retries, breaker_open
 
 
+def test_late_requests_count_as_failures_for_the_breaker(server):
+    """A transport that ignores its timeout (a server trickling bytes) leaves requests running past
+    the deadline; they still trip the breaker, so later turns do not wait for the deadline again."""
+    expert = _expert(server.url, turn_deadline_s=0.5, breaker_failures=2)
+    sent = []
+    expert._request = lambda prompt, deadline, max_retries: sent.append(prompt) or time.sleep(3)  # never in time
+    assert expert.complete(["a", "b"]) == [None, None]
+    assert expert.stats()["late"] == 2 and expert.breaker.is_open
+    assert expert.complete(["c"]) == [None]
+    assert sent == ["a", "b"] and expert.stats()["breaker_open"] == 1  # "c" was not sent
+
+
 @pytest.mark.parametrize("fault,counts", [(ERROR_500, RETRIED), (HANG, RETRIED), (GARBAGE, (3, 3, 0, 3)),
                                           (Reply(status=429, headers={"Retry-After": "0"}), RETRIED)],
                          ids=["500", "hang", "garbage", "429"])

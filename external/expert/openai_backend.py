@@ -83,6 +83,8 @@ class OpenAIExpert:
         if late:
             log.warning("expert: %d request(s) to %s still pending at the turn deadline (external.expert.turn_deadline_s"
                         "=%g); their branches fall back", late, self.cfg.base_url, self.cfg.turn_deadline_s)
+        for _ in range(late):  # failures to the breaker too: a server that never lets a request end must trip it
+            self._record(False)
         self.counts.add(cache_hits=len(prompts) - len(unique), late=late)
         return [replies.get(p) for p in prompts]
 
