@@ -139,6 +139,7 @@ class ExpertEdits(FeedbackMode):
         metrics = {
             "expert/calls": s["calls"], "expert/cache_hits": s["cache_hits"], "expert/failures": s["failures"],
             "expert/retries": s["retries"], "expert/fallbacks": self.fallbacks,
+            "expert/breaker_open": s["breaker_open"], "expert/late": s["late"],
             "expert/latency_s": s["latency_s_total"] / s["calls"] if s["calls"] else 0.0,
             "expert/reference": float(self.expert.name == "reference"),
         }

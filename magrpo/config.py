@@ -205,7 +205,13 @@ class ExpertConfig:
     max_retries: int = 3
     """openai: retries of a timed-out, rate-limited or 5xx request (never of 4xx such as a bad key)."""
     backoff_s: float = 1.0
-    """openai: first retry delay; doubles on every retry."""
+    """openai: first retry delay; doubles on every retry, times a random factor in [0.5, 1.5) (jitter); a longer Retry-After from the server wins."""
+    turn_deadline_s: float = 120.0
+    """openai: seconds all expert requests of one turn may take together; requests queued or in flight then fall back (expert/late)."""
+    breaker_failures: int = 5
+    """openai: consecutive failed requests that open the circuit breaker: no requests (branches fall back, expert/breaker_open) for breaker_cooldown_s, then one background probe (0 = no breaker)."""
+    breaker_cooldown_s: float = 30.0
+    """openai: seconds the open circuit breaker waits before probing the expert again."""
     temperature: float = 0.0
     """openai/hf: expert sampling temperature (0 = greedy, reproducible)."""
     max_tokens: int = 1024
@@ -404,6 +410,10 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError("external.expert.timeout_s", f"must be > 0, got {x.timeout_s}")
     _at_least("external.expert.max_retries", x.max_retries, 0)
     _at_least("external.expert.backoff_s", x.backoff_s, 0.0)
+    if x.turn_deadline_s <= 0:
+        raise ConfigError("external.expert.turn_deadline_s", f"must be > 0, got {x.turn_deadline_s}")
+    _at_least("external.expert.breaker_failures", x.breaker_failures, 0)
+    _at_least("external.expert.breaker_cooldown_s", x.breaker_cooldown_s, 0.0)
     _at_least("external.expert.temperature", x.temperature, 0.0)
     _at_least("external.expert.max_tokens", x.max_tokens, 1)
     if x.backend == "openai" and not x.base_url:

@@ -8,6 +8,7 @@ writes checkpoints. A single process is a World of size 1 where every collective
 from __future__ import annotations
 
 import datetime
+import importlib
 import os
 from dataclasses import dataclass
 from numbers import Integral
@@ -95,6 +96,12 @@ def world_from_env(device_setting: str, timeout_min: float) -> World:
     if cuda:
         torch.cuda.set_device(local_rank)
     if not torch.distributed.is_initialized():
+        # torch.distributed.nn.functional binds `group=group.WORLD` as default arguments when it is
+        # first imported. Imported after init_process_group (transformers and peft import it while
+        # loading the model), those defaults keep the process group alive past World.close(): gloo's
+        # threads then die in interpreter shutdown, which can abort the process at exit ("terminate
+        # called without an active exception", SIGABRT). Imported first, the defaults are None.
+        importlib.import_module("torch.distributed.nn")
         torch.distributed.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=size,
                                              timeout=datetime.timedelta(minutes=timeout_min))
     return World(rank, size, local_rank)

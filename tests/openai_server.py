@@ -1,5 +1,7 @@
 """A real HTTP server on 127.0.0.1 that speaks the OpenAI API (GET /v1/models, POST
-/v1/chat/completions), scripted per test, recording what it saw (requests, peak concurrency)."""
+/v1/chat/completions), scripted per test, recording what it saw (requests, peak concurrency).
+It injects faults too: a reply that hangs until the server closes, any status with headers (429 +
+Retry-After), a garbage body; `fault` makes every unscripted chat request fail that way."""
 from __future__ import annotations
 
 import json
@@ -21,6 +23,12 @@ class Reply:
     status: int = 200
     delay: float = 0.0
     body: dict | str | None = None  # None: the default body for the path
+    headers: dict[str, str] = field(default_factory=dict)  # e.g. {"Retry-After": "1"}
+    raw: bytes | None = None  # sent as is, as "application/json" (garbage: not JSON)
+    hang: bool = False  # never answers; the connection closes when the server does
+
+
+HANG, ERROR_500, GARBAGE = Reply(hang=True), Reply(status=500), Reply(raw=b'{"choices": [{"mess\x00\xff')
 
 
 @dataclass
@@ -30,11 +38,13 @@ class FakeOpenAI:
     url: str = ""
     scripts: dict[str, deque[Reply]] = field(default_factory=lambda: {MODELS: deque(), CHAT: deque()})
     delay: float = 0.0  # for unscripted requests
+    fault: Reply | None = None  # the reply to every unscripted chat request (a broken server)
     answer: Callable[[str], str] = lambda prompt: f"reply to: {prompt}"  # unscripted chat replies
     requests: list[dict] = field(default_factory=list)
     inflight: int = 0
     max_inflight: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
+    closed: threading.Event = field(default_factory=threading.Event)  # set at teardown: hung replies end
 
     def script(self, path: str, *replies: Reply) -> None:
         self.scripts[path].extend(replies)
@@ -76,10 +86,16 @@ def _handler(state: FakeOpenAI) -> type[BaseHTTPRequestHandler]:
             with state.lock:
                 state.requests.append(request)
                 script = state.scripts.get(self.path)
-                reply = script.popleft() if script else Reply(delay=state.delay)
+                if script:
+                    reply = script.popleft()
+                else:
+                    reply = state.fault if state.fault is not None and self.path == CHAT else Reply(delay=state.delay)
                 state.inflight += 1
                 state.max_inflight = max(state.max_inflight, state.inflight)
             try:
+                if reply.hang:
+                    state.closed.wait()
+                    return
                 time.sleep(reply.delay)
                 if reply.body is not None:
                     body = reply.body
@@ -87,10 +103,12 @@ def _handler(state: FakeOpenAI) -> type[BaseHTTPRequestHandler]:
                     body = _default_body(self.path, request, state.answer)
                 else:
                     body = _error_body(reply.status if reply.status != 200 else 404)
-                data = json.dumps(body).encode()
+                data = reply.raw if reply.raw is not None else json.dumps(body).encode()
                 self.send_response(reply.status if self.path in state.scripts else 404)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
+                for key, value in reply.headers.items():
+                    self.send_header(key, value)
                 self.end_headers()
                 self.wfile.write(data)
             except (BrokenPipeError, ConnectionResetError):
@@ -113,5 +131,6 @@ def server():
     thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
     thread.start()
     yield state
+    state.closed.set()
     httpd.shutdown()
     httpd.server_close()

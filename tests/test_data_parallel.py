@@ -151,6 +151,20 @@ def test_a_two_process_run_resumes_from_its_checkpoint(tmp_path, single):
     assert sorted((p.relative_to(run_dir), p.stat().st_mtime_ns) for p in run_dir.rglob("*")) == before
 
 
+@pytest.mark.slow
+def test_no_gloo_thread_outlives_a_finished_run(tmp_path):
+    """Loading the model imports torch.distributed.nn after init_process_group; its default
+    arguments used to keep the process group alive past World.close(), leaving gloo's threads to
+    interpreter shutdown, which now and then aborted a finished run ("terminate called without an
+    active exception", SIGABRT). Every rank must end with no gloo thread alive after close()."""
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           "tests/gloo_exit_probe.py", *RUN, f"logging.run_dir={tmp_path / 'run'}", "trainer.steps=1"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reports = sorted(line for line in proc.stderr.splitlines() if "gloo threads after close" in line)
+    assert reports == [f"rank {r}: gloo threads after close: []" for r in (0, 1)], reports
+
+
 @pytest.mark.parametrize("overrides,key", [(["trainer.batch_size=2"], "trainer.batch_size"),
                                            (["trainer.batch_size=8", "backend=vllm"], "backend")])
 def test_torchrun_settings_that_cannot_work_are_one_line_errors(monkeypatch, overrides, key):

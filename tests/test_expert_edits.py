@@ -14,7 +14,7 @@ from magrpo.config import ExpertConfig, ExternalConfig
 from magrpo.feedback import Branch, Feedback
 from magrpo.trainer import train
 from tests.conftest import ROOT, SMALL
-from tests.openai_server import CHAT, MODELS, Reply
+from tests.openai_server import CHAT, HANG, MODELS, Reply
 
 pytest.importorskip("openai")
 
@@ -116,6 +116,25 @@ def test_training_with_the_openai_expert_logs_expert_metrics(server, tmp_path):
     assert metrics["expert/calls"] + metrics["expert/cache_hits"] == 4 and metrics["expert/fallbacks"] == 0
     config = json.load(open(tmp_path / "run" / "config.json"))
     assert config["external"]["expert"]["backend"] == "openai" and config["external"]["expert"]["model"] == "fake-model"
+
+
+@pytest.mark.slow
+def test_training_against_a_hung_expert_finishes_with_bounded_feedback_time(server, tmp_path):
+    """A server that accepts requests and never answers (defaults: 60 s x 4 attempts per request, per
+    turn): the first turn ends at the 2 s turn deadline and opens the breaker, later turns send nothing."""
+    server.fault = HANG
+    start = time.monotonic()
+    proc = run_cli(tmp_path, "external=expert_edits", f"external.expert.base_url={server.url}",
+                   "external.expert.cache=off", "external.expert.turn_deadline_s=2", "external.expert.breaker_failures=2",
+                   "trainer.steps=3", "eval.at_end=false")
+    assert proc.returncode == 0, proc.stderr
+    assert time.monotonic() - start < 120  # the model load and 3 tiny steps; no 4-minute expert turns
+    metrics = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert [m["expert/fallbacks"] for m in metrics] == [4, 4, 4]  # every branch got the level_feedback prompt
+    assert metrics[0]["perf/feedback_s"] < 10  # loosely: the 2 s deadline
+    for m in metrics[1:]:  # the breaker is open: no request, no waiting
+        assert m["expert/breaker_open"] == 4 and m["perf/feedback_s"] < 2
+    assert len(server.chat_requests()) == sum(m["expert/calls"] for m in metrics) == 4
 
 
 def test_default_expert_is_the_offline_reference_and_the_run_says_so(make_cfg, monkeypatch, capsys):

@@ -13,8 +13,9 @@ import pytest
 pytest.importorskip("openai")
 
 from external.expert import ExpertCache, ExpertError, OpenAIExpert, open_cache, parse_edits  # noqa: E402
+from external.expert.breaker import CLOSED, OPEN, PROBE, Breaker  # noqa: E402
 from magrpo.config import ExpertConfig  # noqa: E402
-from tests.openai_server import CHAT, MODELS, Reply  # noqa: E402  (the `server` fixture: conftest.py)
+from tests.openai_server import CHAT, ERROR_500, GARBAGE, HANG, MODELS, Reply  # noqa: E402  (the `server` fixture: conftest.py)
 
 ROOT = Path(__file__).resolve().parent.parent
 def _expert(url: str, max_concurrency: int = 8, cache: ExpertCache | None = None, **cfg) -> OpenAIExpert:
@@ -115,6 +116,184 @@ def test_reset_stats(server):
     expert.complete(["p"])
     expert.reset_stats()
     assert set(expert.stats().values()) == {0.0}
+
+
+# --- faults: Retry-After, turn deadline, circuit breaker ---------------------------------------
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_breaker_opens_after_consecutive_failures_and_probes_once_per_cooldown():
+    clock = FakeClock()
+    breaker = Breaker(3, 10.0, clock)
+    assert [breaker.record(False) for _ in range(3)] == [False, False, True]  # the third opens it
+    assert breaker.allow() == OPEN
+    clock.now += 9.9
+    assert breaker.allow() == OPEN
+    clock.now += 0.2
+    assert [breaker.allow(), breaker.allow()] == [PROBE, OPEN]  # one probe; the rest still fall back
+    assert breaker.record(False) is False  # the probe failed: another cool-down, no new "opened"
+    assert breaker.allow() == OPEN
+    clock.now += 10.1
+    assert breaker.allow() == PROBE
+    breaker.record(True)
+    assert breaker.allow() == CLOSED and breaker.failures == 0 and not breaker.is_open
+
+
+def test_breaker_counts_only_consecutive_failures_and_zero_disables_it():
+    breaker = Breaker(2, 10.0, FakeClock())
+    for ok in (False, True, False, True, False):
+        breaker.record(ok)
+    assert breaker.allow() == CLOSED
+    never = Breaker(0, 10.0, FakeClock())
+    assert not any(never.record(False) for _ in range(50)) and never.allow() == CLOSED
+
+
+def test_retry_after_is_honoured(server):
+    server.script(CHAT, Reply(status=429, headers={"Retry-After": "1"}))
+    expert = _expert(server.url, backoff_s=0.01)
+    start = time.monotonic()
+    assert expert.complete(["p"]) == ["reply to: p"]
+    assert time.monotonic() - start >= 0.9  # the server's 1 s, not the 0.01 s backoff
+    assert len(server.chat_requests()) == 2 and expert.stats()["retries"] == 1
+
+
+def test_retry_after_forms():
+    import email.utils
+    from types import SimpleNamespace
+
+    from external.expert.openai_backend import _retry_after
+
+    def error(value):
+        return SimpleNamespace(response=SimpleNamespace(headers={"retry-after": value} if value is not None else {}))
+
+    assert _retry_after(error("7")) == 7.0 and _retry_after(error("1.5")) == 1.5
+    assert 25 < _retry_after(error(email.utils.formatdate(time.time() + 30, usegmt=True))) <= 30
+    assert _retry_after(error(email.utils.formatdate(time.time() - 30, usegmt=True))) == 0.0  # in the past
+    assert _retry_after(error("soon")) == _retry_after(error(None)) == _retry_after(SimpleNamespace()) == 0.0
+
+
+def test_retry_after_beyond_the_turn_deadline_fails_at_once(server):
+    server.script(CHAT, Reply(status=429, headers={"Retry-After": "30"}))
+    expert = _expert(server.url, turn_deadline_s=3.0)
+    start = time.monotonic()
+    assert expert.complete(["p"]) == [None]
+    assert time.monotonic() - start < 2.5  # no pointless wait for a retry that could not finish in time
+    assert len(server.chat_requests()) == 1
+    assert (expert.stats()["failures"], expert.stats()["retries"]) == (1, 0)
+
+
+def test_garbage_reply_is_a_failure_not_an_exception(server):
+    server.script(CHAT, GARBAGE)
+    expert = _expert(server.url, max_concurrency=1)  # p gets the scripted garbage
+    assert expert.complete(["p", "q"]) == [None, "reply to: q"]
+    assert expert.stats()["failures"] == 1
+
+
+def test_a_hung_server_costs_one_turn_at_most_the_deadline(server):
+    server.fault = HANG
+    expert = _expert(server.url, max_concurrency=2, timeout_s=60.0, max_retries=3, turn_deadline_s=1.0,
+                     breaker_failures=0)
+    start = time.monotonic()
+    assert expert.complete([f"p{i}" for i in range(4)]) == [None] * 4
+    assert time.monotonic() - start < 10  # 1 s deadline, loosely: never 60 s x 4 attempts
+    # p0, p1 are cut off just before the deadline, without retries; p2, p3 never start
+    assert len(server.chat_requests()) == 2
+    stats = expert.stats()
+    assert (stats["calls"], stats["failures"], stats["retries"], stats["late"]) == (2, 2, 0, 2)
+
+
+# p0 tries twice, p1 once more: the breaker opens after 3 failed requests, p1 does not retry, p2.. are not
+# sent. A garbage reply is not retried (like any malformed reply): p0, p1, p2 fail once each.
+RETRIED = (2, 2, 1, 4)  # calls, failures, retries, breaker_open
+
+
+def test_late_requests_count_as_failures_for_the_breaker(server):
+    """A transport that ignores its timeout (a server trickling bytes) leaves requests running past
+    the deadline; they still trip the breaker, so later turns do not wait for the deadline again."""
+    expert = _expert(server.url, turn_deadline_s=0.5, breaker_failures=2)
+    sent = []
+    expert._request = lambda prompt, deadline, max_retries: sent.append(prompt) or time.sleep(3)  # never in time
+    assert expert.complete(["a", "b"]) == [None, None]
+    assert expert.stats()["late"] == 2 and expert.breaker.is_open
+    assert expert.complete(["c"]) == [None]
+    assert sent == ["a", "b"] and expert.stats()["breaker_open"] == 1  # "c" was not sent
+
+
+@pytest.mark.parametrize("fault,counts", [(ERROR_500, RETRIED), (HANG, RETRIED), (GARBAGE, (3, 3, 0, 3)),
+                                          (Reply(status=429, headers={"Retry-After": "0"}), RETRIED)],
+                         ids=["500", "hang", "garbage", "429"])
+def test_breaker_opens_falls_back_without_requests_then_probes_after_the_cooldown(server, fault, counts):
+    server.fault = fault
+    clock = FakeClock()
+    expert = _expert(server.url, max_concurrency=1, max_retries=1, timeout_s=0.3, breaker_failures=3,
+                     breaker_cooldown_s=30.0)
+    expert.breaker.clock = clock
+    assert expert.complete([f"p{i}" for i in range(6)]) == [None] * 6
+    assert len(server.chat_requests()) == 3
+    stats = expert.stats()
+    assert (stats["calls"], stats["failures"], stats["retries"], stats["breaker_open"]) == counts
+    assert expert.complete([f"q{i}" for i in range(6)]) == [None] * 6  # still cooling down: nothing sent
+    assert len(server.chat_requests()) == 3 and expert.stats()["breaker_open"] == counts[3] + 6
+
+    server.fault = None  # the server recovers
+    clock.now += 31
+    assert expert.complete(["r0"]) == [None]  # r0 probes in the background; its branch falls back
+    expert.probe.join(10)
+    assert len(server.chat_requests()) == 4 and not expert.breaker.is_open
+    assert expert.complete(["r2"]) == ["reply to: r2"]
+
+
+def test_dead_server_costs_nothing_per_turn_once_the_breaker_is_open(server):
+    server.fault = HANG
+    expert = _expert(server.url, timeout_s=0.5, max_retries=3, turn_deadline_s=30.0, breaker_failures=2)
+    expert.complete([f"p{i}" for i in range(4)])  # 4 requests time out at about the same time: the breaker opens
+    sent = len(server.chat_requests())
+    assert expert.breaker.is_open and 4 <= sent <= 5  # the first to fail may retry before the second fails
+    start = time.monotonic()
+    for turn in range(5):
+        assert expert.complete([f"t{turn}-{i}" for i in range(8)]) == [None] * 8
+    assert time.monotonic() - start < 2  # five turns of 8 prompts: no request waits on the server
+    assert len(server.chat_requests()) == sent and expert.stats()["breaker_open"] == 40
+
+
+@pytest.mark.parametrize("override,allowed", [("turn_deadline_s=0", "must be > 0"), ("breaker_failures=-1", "must be >= 0"),
+                                              ("breaker_cooldown_s=-1", "must be >= 0.0")])
+def test_deadline_and_breaker_settings_are_checked(override, allowed):
+    from magrpo.config import ConfigError, validate
+    from tests.conftest import SMALL, compose
+
+    with pytest.raises(ConfigError) as e:
+        validate(compose([*SMALL, f"external.expert.{override}"]))
+    assert e.value.key == f"external.expert.{override.split('=')[0]}" and allowed in str(e.value)
+
+
+PROBE_AT_EXIT = """
+import socket, time
+from external.expert import OpenAIExpert
+from magrpo.config import ExpertConfig
+hung = socket.socket(); hung.bind(("127.0.0.1", 0)); hung.listen(8)  # accepts connections, never answers
+cfg = ExpertConfig(base_url=f"http://127.0.0.1:{hung.getsockname()[1]}/v1", model="m", timeout_s=120,
+                   turn_deadline_s=1, breaker_failures=1, breaker_cooldown_s=0)
+expert = OpenAIExpert(cfg, max_concurrency=2, cache=None)
+assert expert.complete(["a"]) == [None]  # cut off at the deadline: the breaker opens
+while not expert.breaker.is_open:  # on a loaded machine "a" may be counted a moment after the turn ends
+    time.sleep(0.01)
+assert expert.complete(["b"]) == [None]  # cool-down 0: "b" probes in the background, hung for 120 s
+assert expert.probe.is_alive()
+"""
+
+
+def test_requests_hung_in_the_background_do_not_delay_exit():
+    start = time.monotonic()
+    subprocess.run([sys.executable, "-c", PROBE_AT_EXIT], cwd=ROOT, check=True, timeout=60)
+    assert time.monotonic() - start < 30  # the probe's 120 s are not waited for
 
 
 # --- start-up check ----------------------------------------------------------------------------

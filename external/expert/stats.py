@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import threading
 
-KEYS = ("calls", "cache_hits", "failures", "retries", "latency_s_total")
+KEYS = ("calls", "cache_hits", "failures", "retries", "breaker_open", "late", "latency_s_total")
 
 
 class ExpertStats:
-    """calls (requests that reached the expert), cache_hits, failures, retries, latency_s_total
+    """calls (requests that reached the expert), cache_hits, failures, retries, breaker_open (prompts
+    not sent: the circuit breaker was open), late (queued or in flight at the turn deadline), latency_s_total
     (wall time of the calls; mean = latency_s_total / calls)."""
 
     def __init__(self):
