@@ -15,10 +15,10 @@ from magrpo.cli import main  # noqa: E402
 real = update.forward_logprobs
 
 
-def forward_logprobs(model, batch, *args):
+def forward_logprobs(model, batch, *args, **kwargs):
     if os.environ.get("RANK") == "1" and batch.targets.shape[0] > 4:
         raise torch.OutOfMemoryError("CUDA out of memory (raised by the test on rank 1)")
-    return real(model, batch, *args)
+    return real(model, batch, *args, **kwargs)
 
 
 update.forward_logprobs = forward_logprobs

@@ -93,7 +93,8 @@ def test_update_out_of_memory_halves_the_micro_batch_once(make_cfg, monkeypatch,
     # a packed micro-batch has one row of targets per sample: fail above 4 samples
     real = update.forward_logprobs
     monkeypatch.setattr(update, "forward_logprobs",
-                        lambda model, batch, *args: _oom_if(batch.targets.shape[0] > 4) or real(model, batch, *args))
+                        lambda model, batch, *args, **kwargs: _oom_if(batch.targets.shape[0] > 4)
+                        or real(model, batch, *args, **kwargs))
     run = train(make_cfg("trainer.steps=1", "trainer.kl_coef=0.01", "trainer.micro_batch_size=8", "eval.at_end=false"))
     assert "out of memory; retrying with trainer.micro_batch_size=4" in capsys.readouterr().err
     assert (run / "adapters" / "agent_0").is_dir()
@@ -102,7 +103,7 @@ def test_update_out_of_memory_halves_the_micro_batch_once(make_cfg, monkeypatch,
 def test_update_out_of_memory_twice_names_the_setting(make_cfg, monkeypatch):
     import magrpo.update as update
 
-    monkeypatch.setattr(update, "forward_logprobs", lambda model, batch, *args: _oom_if(True))
+    monkeypatch.setattr(update, "forward_logprobs", lambda model, batch, *args, **kwargs: _oom_if(True))
     with pytest.raises(TrainingError, match="out of memory again with trainer.micro_batch_size=16; lower trainer.micro_batch_size"):
         train(make_cfg("trainer.steps=1", "trainer.kl_coef=0.01", "eval.at_end=false"))
 
