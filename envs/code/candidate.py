@@ -33,17 +33,6 @@ NEWNS, NEWPID, NEWNET = 0x00020000, 0x20000000, 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = (
     1, 2, 4, 8, 32, 4096, 16384, 1 << 18)
 KEEP = {"usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32", "etc", "dev", "proc", "sys"}
-ERROR_CHARS = 300
-
-
-def describe(exc: BaseException) -> str:
-    """'Type: message', first line only, short."""
-    try:
-        message = str(exc)
-    except BaseException:  # a user exception whose __str__ raises
-        message = "<unprintable>"
-    text = type(exc).__name__ + (f": {message}" if message else "")
-    return text.split("\n", 1)[0][:ERROR_CHARS]
 
 
 # ---- confinement -------------------------------------------------------------------------------
@@ -238,7 +227,7 @@ def serve(request_fd: int, reply_fd: int, max_message: int) -> None:
                     raise NameError(f"entry point {message['entry_point']!r} is not defined")
                 reply = {"id": message["id"], "loaded": True}
             except BaseException as e:  # SystemExit / KeyboardInterrupt too: a definition failure
-                reply = {"id": message["id"], "error": describe(e)}
+                reply = {"id": message["id"], "error": wire.describe(e)}
         else:
             try:
                 fn = namespace[message["fn"]]
@@ -248,7 +237,7 @@ def serve(request_fd: int, reply_fd: int, max_message: int) -> None:
                 except not_plain as e:  # the judge fails the case
                     reply = {"id": message["id"], "unplain": str(e)}
             except BaseException as e:
-                reply = {"id": message["id"], "raised": [type(e).__name__, describe(e)]}
+                reply = {"id": message["id"], "raised": [type(e).__name__, wire.describe(e)]}
         if getpid() != me:  # a forked copy of this process: only the original answers
             exit_(0)
         flush()
@@ -263,7 +252,7 @@ def main(setup_text: str) -> None:
     try:
         confine(setup)
     except Exception as e:  # never run the program with fewer restrictions than asked for
-        _say(setup["status_fd"], {"setup_error": describe(e)})
+        _say(setup["status_fd"], {"setup_error": wire.describe(e)})
         os._exit(3)
     serve(setup["request_fd"], setup["reply_fd"], setup["max_message"])
 

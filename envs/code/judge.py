@@ -25,7 +25,6 @@ if __package__:
 else:  # started by the driver: its boot line puts this folder first on sys.path
     import wire
 
-ERROR_CHARS = 300
 CRASHED, TIMEOUT = "crashed", "timeout"
 _NOT_REPLAYED = (StopIteration, StopAsyncIteration)  # iteration protocols would read them as "done"
 
@@ -45,11 +44,6 @@ class CallFailed(BaseException):
 
 class JudgeTimeout(BaseException):
     pass
-
-
-def describe(exc: BaseException) -> str:
-    text = type(exc).__name__ + (f": {exc}" if str(exc) else "")
-    return text.split("\n", 1)[0][:ERROR_CHARS]
 
 
 def unsupported_reason(case: str, names: set[str]) -> str | None:
@@ -116,7 +110,7 @@ class Channel:
             except wire.PlainDataError as e:
                 raise self._fail(f"{name} returned {e}") from None
         if "unplain" in reply:
-            raise self._fail(f"{name} returned {str(reply['unplain'])[:ERROR_CHARS]}")
+            raise self._fail(f"{name} returned {str(reply['unplain'])[:wire.ERROR_CHARS]}")
         raise _as_exception(reply.get("raised"))
 
     def _fail(self, message: str) -> CallFailed:
@@ -136,7 +130,7 @@ def _as_exception(raised) -> BaseException:
             return kind(message) if message else kind()
         except Exception:  # types with other constructors (UnicodeDecodeError)
             pass
-    return CandidateError(text[:ERROR_CHARS])
+    return CandidateError(text[:wire.ERROR_CHARS])
 
 
 class _Proxy:
@@ -158,12 +152,12 @@ def judge(job: dict, compiled: dict, channel: Channel) -> list[list]:
     except CallFailed as e:
         return [[False, str(e), e.kind]] * len(cases)
     if "loaded" not in loaded:
-        return [[False, str(loaded.get("error", "definition failed"))[:ERROR_CHARS], ""]] * len(cases)
+        return [[False, str(loaded.get("error", "definition failed"))[:wire.ERROR_CHARS], ""]] * len(cases)
     namespace: dict = {"__name__": "__judge__"}
     try:
         exec(compiled[job["preamble"]], namespace)
     except BaseException as e:
-        return [[False, f"preamble: {describe(e)}", ""]] * len(cases)
+        return [[False, f"preamble: {wire.describe(e)}", ""]] * len(cases)
     for name in job["names"]:
         namespace.setdefault(name, _Proxy(channel, name))
     namespace.setdefault("candidate", _Proxy(channel, job["entry_point"]))
@@ -183,7 +177,7 @@ def judge(job: dict, compiled: dict, channel: Channel) -> list[list]:
             verdict = [False, TIMEOUT, TIMEOUT]
         except BaseException as e:
             failed = channel.failed
-            verdict = [False, describe(e), ""] if failed is None else [False, str(failed), failed.kind]
+            verdict = [False, wire.describe(e), ""] if failed is None else [False, str(failed), failed.kind]
         out.append(verdict)
         if verdict[2] == TIMEOUT:
             out.extend([[False, TIMEOUT, TIMEOUT]] * (len(cases) - len(out)))

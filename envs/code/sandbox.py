@@ -160,14 +160,8 @@ _judges = _JudgePool()
 atexit.register(_judges.close)
 
 
-class _Frames:
+class _Frames(_Capped):
     """Sink for the judge's socket: complete when one length-prefixed message has arrived."""
-
-    def __init__(self, cap: int) -> None:
-        self.cap, self.data = cap, bytearray()
-
-    def add(self, chunk: bytes) -> None:
-        self.data += chunk[: max(0, self.cap - len(self.data))]
 
     def message(self):
         head = wire.HEADER_SIZE
@@ -281,8 +275,8 @@ def _exit_reason(returncode: int | None) -> str:
 
 
 def _spawn(setup: dict, workdir: str, fds: tuple[int, ...]) -> subprocess.Popen:
-    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8",
-           "HOME": "/tmp" if setup["uid"] is not None else workdir, "TMPDIR": "/tmp" if setup["uid"] is not None else workdir,
+    home = "/tmp" if setup["uid"] is not None else workdir  # as root: its private /tmp (or the chowned workdir)
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": home, "TMPDIR": home,
            **dict.fromkeys(THREAD_VARS, "1")}  # one thread per program: the workers run side by side
     return subprocess.Popen(
         [sys.executable, "-I", "-S", "-c", BOOT.format("candidate"), str(HERE), repr(setup)], cwd=workdir, env=env,

@@ -15,8 +15,19 @@ candidate process starts with `python -I -S` and this module, and `json` alone w
 import os
 
 MAX_DEPTH = 200  # nesting of containers; deeper values are refused, never a recursion crash
+ERROR_CHARS = 300  # an error message travels as one short line
 HEADER_SIZE = 4
 SMALL_INTS = 1 << 64  # larger ints travel as hex: decimal strings of big ints hit Python's digit limit
+
+
+def describe(exc):
+    """'Type: message', first line only, short (a user exception's __str__ may even raise)."""
+    try:
+        message = str(exc)
+    except BaseException:
+        message = "<unprintable>"
+    text = type(exc).__name__ + (f": {message}" if message else "")
+    return text.split("\n", 1)[0][:ERROR_CHARS]
 
 
 class PlainDataError(ValueError):
