@@ -137,8 +137,8 @@ def expand_trees(
             node.children = [None] * len(joint)
             if turn == tree.num_turns - 1:
                 continue
-            keys = None if node.stream is None else [stream_key(node.stream, EXPAND_DRAWS, j) for j in range(len(joint))]
-            grows = expanded(rewards[i], stop, tree.expand, keys)  # the rest are leaves (G = r)
+            draw = None if node.stream is None else lambda j, s=node.stream: stream_key(s, EXPAND_DRAWS, j)
+            grows = expanded(rewards[i], stop, tree.expand, draw)  # the rest are leaves (G = r)
             for j, choice in enumerate(joint):
                 if not grows[j]:
                     continue

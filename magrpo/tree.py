@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
@@ -56,18 +57,19 @@ def parse_expand(rule: str) -> tuple[str, int]:
     raise ValueError(f"{rule!r} is not an expansion rule; choose one of: {', '.join(EXPAND_RULES)} (M >= 1)")
 
 
-def expanded(rewards: np.ndarray, stopped: np.ndarray, rule: str, draw_keys: list[int] | None = None) -> np.ndarray:
+def expanded(rewards: np.ndarray, stopped: np.ndarray, rule: str,
+             draw_key: Callable[[int], int] | None = None) -> np.ndarray:
     """(J,) bool: the joint actions of a node that get a child. Stopped ones (turn limit, early
     termination, a failed score) never do; of the rest, all, the M with the highest reward (ties:
-    the lower index), or M at random: those with the smallest `draw_keys` (a hash per joint action,
-    so the choice does not depend on the rest of the batch)."""
+    the lower index), or M at random: those with the smallest `draw_key(j)` (a hash per joint
+    action, so the choice does not depend on the rest of the batch; called for random:M only)."""
     name, m = parse_expand(rule)
     candidates = [j for j in range(len(rewards)) if not stopped[j]]
     if name == "top":
         candidates = sorted(candidates, key=lambda j: (-rewards[j], j))[:m]
     elif name == "random":
-        keys = draw_keys if draw_keys is not None else list(np.random.permutation(len(rewards)))
-        candidates = sorted(candidates, key=lambda j: keys[j])[:m]
+        key = draw_key or np.random.permutation(len(rewards)).__getitem__  # unseeded: the global RNG
+        candidates = sorted(candidates, key=key)[:m]
     out = np.zeros(len(rewards), dtype=bool)
     out[candidates] = True
     return out
