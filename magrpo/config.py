@@ -431,20 +431,25 @@ def validate(cfg: TrainConfig) -> None:
         _check_model_name(key, name)
 
 
-def check_tree_size(cfg: TrainConfig, num_agents: int) -> tuple[int, int]:
-    """(nodes, completions) per step without early termination; a ConfigError above the cap."""
+def step_size(cfg: TrainConfig, num_agents: int) -> tuple[int, int]:
+    """(nodes, completions) of one step's trees when no branch stops early."""
     from .tree import tree_size
 
     t = cfg.trainer
     nodes, completions = tree_size(t.joint_mode, t.num_generations, num_agents, t.num_turns, t.expand)
-    nodes, completions = nodes * t.batch_size, completions * t.batch_size
+    return nodes * t.batch_size, completions * t.batch_size
+
+
+def check_tree_size(cfg: TrainConfig, num_agents: int) -> None:
+    """A ConfigError when a step would sample more than trainer.max_sequences_per_step completions."""
+    t = cfg.trainer
+    nodes, completions = step_size(cfg, num_agents)
     if t.max_sequences_per_step and completions > t.max_sequences_per_step:
         raise ConfigError("trainer.max_sequences_per_step", (
             f"this tree samples {completions:,} completions per step ({nodes:,} nodes: {t.joint_mode} mode, "
             f"N={num_agents}, K={t.num_generations}, T={t.num_turns}, batch {t.batch_size}), above the cap of "
             f"{t.max_sequences_per_step:,}; lower K, T or the batch, use align mode, trainer.expand=top:M or "
             f"early termination, or raise the cap"))
-    return nodes, completions
 
 
 VLLM_INSTALL = ("pip install 'magrpo[vllm]' on a CUDA machine, or bash scripts/setup_vllm.sh on an x86 CPU "

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from . import checkpoint
-from .config import ConfigError, TrainConfig, check_finite, check_tree_size, validate
+from .config import ConfigError, TrainConfig, check_finite, check_tree_size, step_size, validate
 from .distributed import World, reduce_counters, world_from_env
 from .env import Environment, call_env, make_env
 from .errors import log_traceback
@@ -146,7 +146,7 @@ def _train(cfg: TrainConfig, env: Environment, feedback: Feedback, world: World)
     sampling = SamplingParams(g.max_new_tokens, g.temperature, g.top_p, g.top_k, logprobs=True)
     if world.is_main:
         procs = f", {world.size} processes" if world.size > 1 else ""
-        nodes, completions = check_tree_size(cfg, env.num_agents)
+        nodes, completions = step_size(cfg, env.num_agents)
         print(f"magrpo: {env.num_agents} agent(s), K={t.num_generations}, T={t.num_turns}, {t.joint_mode}{procs}; "
               f"up to {nodes:,} nodes and {completions:,} completions per step; run dir {run_dir}", file=sys.stderr)
     bar = _progress(t.steps, cfg.logging.progress and world.is_main, initial=first_step - 1)
