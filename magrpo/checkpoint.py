@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from .config import ConfigError, flatten, under
+from .errors import describe
 from .run_io import LOGS, repair_log, set_aside_logs
 
 PREFIX = "step_"
@@ -238,7 +239,7 @@ def read(path: Path, agents: Sequence[Any], updaters: Sequence[Any]) -> dict[str
         parts = [torch.load(path / agent.adapter / "train.pt", weights_only=False, map_location="cpu")
                  for agent in agents]
     except Exception as e:  # only a checkpoint without checksums gets here torn or garbled
-        raise ConfigError("resume", f"checkpoint {path} does not load ({type(e).__name__}: {_first_line(e)}); "
+        raise ConfigError("resume", f"checkpoint {path} does not load ({describe(e)}); "
                                     f"move it away or give another with resume=PATH; nothing was changed") from None
     for agent, part, updater in zip(agents, parts, updaters):
         _check_shapes(path, agent.adapter, part["params"], updater.params)
@@ -254,10 +255,6 @@ def _check_shapes(path: Path, adapter: str, saved: Sequence[torch.Tensor], param
             else f"{len(shapes[0])} tensors vs {len(shapes[1])}"
         raise ConfigError("resume", f"{path}/{adapter} does not fit this config's adapters ({got}); the model, "
                                     f"lora and agent settings must be the checkpoint's; nothing was changed")
-
-
-def _first_line(e: BaseException) -> str:
-    return str(e).splitlines()[0] if str(e) else ""
 
 
 def apply(contents: dict[str, Any], updaters: Sequence[Any]) -> dict[str, Any]:
@@ -300,7 +297,7 @@ def on_main(world: Any, read_it: Callable[[], Any]) -> Any:
         except Exception as e:
             if world.size == 1:
                 raise
-            world.broadcast({"error": f"{type(e).__name__}: {_first_line(e)}"})
+            world.broadcast({"error": describe(e)})
             raise
     outcome = world.broadcast(outcome)
     if "config_error" in outcome:
