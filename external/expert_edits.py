@@ -15,6 +15,7 @@ from typing import Any, Mapping
 
 from magrpo.distributed import is_main_process
 from magrpo.feedback import Branch, FeedbackMode, FEEDBACK
+from magrpo.metrics import Counter, Gauge
 
 from .expert.cache import open_cache
 from .expert.parse import parse_edits
@@ -137,11 +138,11 @@ class ExpertEdits(FeedbackMode):
         s = self.expert.stats()
         self.expert.reset_stats()
         metrics = {
-            "expert/calls": s["calls"], "expert/cache_hits": s["cache_hits"], "expert/failures": s["failures"],
-            "expert/retries": s["retries"], "expert/fallbacks": self.fallbacks,
-            "expert/breaker_open": s["breaker_open"], "expert/late": s["late"],
-            "expert/latency_s": s["latency_s_total"] / s["calls"] if s["calls"] else 0.0,
-            "expert/reference": float(self.expert.name == "reference"),
+            **{f"expert/{key}": Counter(s[key]) for key in ("calls", "cache_hits", "failures", "retries",
+                                                            "breaker_open", "late")},
+            "expert/fallbacks": Counter(self.fallbacks),
+            "expert/latency_s": Gauge(s["latency_s_total"] / s["calls"] if s["calls"] else 0.0),
+            "expert/reference": Gauge(self.expert.name == "reference"),
         }
         self.fallbacks = 0
         return metrics

@@ -27,9 +27,24 @@ All keys and their meaning: README.md (Configuration) and magrpo/config.py."""
 
 
 def register_schema() -> None:
+    """TrainConfig as the schema, and one `env=NAME` option per registered env holding its Config's
+    defaults (the env's defaults live once, in its Config; `env=other` replaces the whole node)."""
     from hydra.core.config_store import ConfigStore
 
-    ConfigStore.instance().store(name="base_train", node=TrainConfig)
+    from .env import ENVS
+
+    store = ConfigStore.instance()
+    store.store(name="base_train", node=TrainConfig)
+    for name in ENVS.names():
+        store.store(group="env", name=name, node={"name": name, **dataclasses.asdict(ENVS.get(name).Config())})
+
+
+def group_options(group: str, config_dir: Path = CONFIG_DIR) -> list[str]:
+    """The options of a config group: its YAML files (and, for env, every registered env)."""
+    from .env import ENVS
+
+    files = {p.stem for p in (config_dir / group).glob("*.yaml")}
+    return sorted(files | set(ENVS.names()) if group == "env" else files)
 
 
 def compose(overrides: Sequence[str], config_dir: Path = CONFIG_DIR) -> TrainConfig:
@@ -69,7 +84,7 @@ def _from_hydra(e: Exception, config_dir: Path) -> ConfigError:
     missing = re.search(r"Could not find '([^/']+)/([^']+)'", text)
     if missing:
         group, option = missing.groups()
-        options = sorted(p.stem for p in (config_dir / group).glob("*.yaml"))
+        options = group_options(group, config_dir)
         return ConfigError(group, f"no option {option!r}; choose one of: {', '.join(options)}")
     bad_key = re.search(r"Could not override '([^']+)'", text) or re.search(r"Key '([^']+)'", text)
     if bad_key:
@@ -112,7 +127,7 @@ def _env_fields(parts: list[str]) -> list[str]:
 def main(argv: Sequence[str]) -> int:
     args = list(argv)
     if any(a in ("-h", "--help") for a in args):
-        groups = ", ".join(sorted(p.name for p in CONFIG_DIR.iterdir() if p.is_dir()))
+        groups = ", ".join(sorted({p.name for p in CONFIG_DIR.iterdir() if p.is_dir()} | {"env"}))
         print(USAGE.format(groups=groups))
         return 0
     show = "--cfg" in args

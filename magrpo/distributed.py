@@ -11,7 +11,6 @@ import datetime
 import importlib
 import os
 from dataclasses import dataclass
-from numbers import Integral
 from typing import Any, Sequence
 
 import torch
@@ -105,18 +104,3 @@ def world_from_env(device_setting: str, timeout_min: float) -> World:
         torch.distributed.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=size,
                                              timeout=datetime.timedelta(minutes=timeout_min))
     return World(rank, size, local_rank)
-
-
-def reduce_counters(per_rank: Sequence[dict[str, float]]) -> dict[str, float]:
-    """Merge the env's, feedback's and backend's own metric dicts from every rank: integer values are
-    counters of each rank's own work and are summed; other numbers (rates, and facts every rank
-    shares) are averaged over the ranks that report them."""
-    keys = list(dict.fromkeys(k for d in per_rank for k in d))
-    out: dict[str, float] = {}
-    for key in keys:
-        values = [d[key] for d in per_rank if key in d]
-        if all(isinstance(v, Integral) and not isinstance(v, bool) for v in values):
-            out[key] = sum(values)
-        else:
-            out[key] = sum(float(v) for v in values) / len(values)
-    return out

@@ -53,7 +53,8 @@ class Environment:
 
     def metrics(self) -> dict[str, float]:
         """Counters the env keeps (cumulative), logged with every step under their own names.
-        With torchrun, rank 0 logs the values of all processes: integers are counters and are summed, other numbers are averaged."""
+        With torchrun, rank 0 logs one value per key, merged by its kind (magrpo.metrics): mark each
+        number Counter (summed), Gauge (averaged; unmarked numbers too) or Maximum."""
         return {}
 
     def state(self) -> dict[str, Any]:

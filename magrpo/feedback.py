@@ -52,7 +52,8 @@ class FeedbackMode:
 
     def metrics(self) -> dict[str, float]:
         """Numbers since the last call (reset on read), logged with the step.
-        With torchrun, rank 0 logs the values of all processes: integers are counters and are summed, other numbers are averaged."""
+        With torchrun, rank 0 logs one value per key, merged by its kind (magrpo.metrics): mark each
+        number Counter (summed), Gauge (averaged; unmarked numbers too) or Maximum."""
         return {}
 
 

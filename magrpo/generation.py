@@ -50,7 +50,8 @@ class GenerationBackend(Protocol):
 
     def metrics(self) -> dict[str, float]:
         """The backend's own numbers since the last call (e.g. perf/prefix_cache_hit_rate).
-        With torchrun, rank 0 logs the values of all processes: integers are counters and are summed, other numbers are averaged."""
+        With torchrun, rank 0 logs one value per key, merged by its kind (magrpo.metrics): mark each
+        number Counter (summed), Gauge (averaged; unmarked numbers too) or Maximum."""
         ...
 
     def close(self) -> None:

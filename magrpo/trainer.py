@@ -15,11 +15,12 @@ import torch
 from . import checkpoint
 from .backends import make_backend
 from .config import TrainConfig, check_finite
-from .distributed import World, reduce_counters, world_from_env
+from .distributed import World, world_from_env
 from .env import Environment, call_env, make_env
 from .errors import ConfigError, TrainingError, log_traceback
 from .evaluation import evaluate
 from .feedback import Feedback
+from .metrics import reduce_over_ranks
 from .generation import SamplingParams
 from .rollout import Rollout, TreeSettings, assign_advantages, expand_trees, merge_rollouts, portable
 from .run_io import NullWriter, RunWriter, make_run_dir, tree_records
@@ -63,6 +64,8 @@ def prepare(cfg: TrainConfig) -> tuple[Environment, Feedback]:
     validate(cfg)
     env = make_env(cfg.env)
     check_finite(env.cfg, "env")
+    # Every key the env runs with, its Config's defaults included: config.json, --cfg and resume see them all.
+    cfg.env = {"name": cfg.env["name"], **asdict(env.cfg)}
     if len(cfg.agents) > env.num_agents:
         raise ConfigError("agents", f"{len(cfg.agents)} entries for {env.num_agents} agent(s); give at most one per agent")
     _check_split(env, "train")
@@ -161,7 +164,7 @@ def _train(cfg: TrainConfig, env: Environment, feedback: Feedback, world: World)
         merged: dict[str, float] = {}
         for part in parts:
             merged.update(part)
-        return reduce_counters(world.gather(merged) or [{}])
+        return reduce_over_ranks(world.gather(merged) or [{}])
 
     def run_eval(step: int) -> dict[str, float]:
         bar.write(f"magrpo: evaluating {len(eval_problems)} problem(s), greedy + {cfg.eval.num_samples} sample(s), "

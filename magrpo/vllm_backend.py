@@ -28,6 +28,7 @@ import torch
 from .errors import ConfigError, SyncError
 from .generation import GenerationRequest, SamplingParams, encode_requests
 from .loss import token_logprobs
+from .metrics import Gauge
 from .models import Agent
 from .tree import Completion
 
@@ -219,7 +220,7 @@ class VLLMBackend:
         queries, hits = values.get("vllm:prefix_cache_queries", 0.0), values.get("vllm:prefix_cache_hits", 0.0)
         dq, dh = queries - self._cache_seen[0], hits - self._cache_seen[1]
         self._cache_seen = (queries, hits)
-        return {"perf/prefix_cache_hit_rate": dh / dq} if dq else {}
+        return {"perf/prefix_cache_hit_rate": Gauge(dh / dq)} if dq else {}
 
     def close(self) -> None:
         for engine in self.engines.values():

@@ -12,7 +12,8 @@ import time
 import pytest
 import torch
 
-from magrpo.distributed import World, reduce_counters
+from magrpo.distributed import World
+from magrpo.metrics import Counter, Gauge, Maximum, reduce_over_ranks
 from magrpo.rollout import TreeSettings, assign_advantages, expand_trees, merge_rollouts, portable
 from magrpo.run_io import tree_records
 from tests.conftest import ROOT, SMALL
@@ -58,10 +59,16 @@ def test_merged_shards_give_the_single_process_trees(mode):
     assert all(c.token_ids == [] for n in merged.nodes for agent in n.completions for c in agent)  # texts travel, ids not
 
 
-def test_rank_metrics_sum_counters_and_average_rates():
-    merged = reduce_counters([{"env/sandbox_runs": 10, "perf/rate": 4.0, "expert/reference": 1.0},
-                              {"env/sandbox_runs": 7, "perf/rate": 2.0, "only/one": 3}])
-    assert merged == {"env/sandbox_runs": 17, "perf/rate": 3.0, "expert/reference": 1.0, "only/one": 3}
+def test_rank_metrics_merge_by_their_kind():
+    merged = reduce_over_ranks([{"env/sandbox_runs": Counter(10), "perf/rate": Gauge(4.0), "mem": Maximum(1.5),
+                                 "expert/reference": 1.0, "runs_unmarked": 10},
+                                {"env/sandbox_runs": Counter(7), "perf/rate": Gauge(2.0), "mem": Maximum(2.5),
+                                 "only/one": Counter(3), "runs_unmarked": 7}])
+    # counters add up, gauges (and unmarked numbers, integers too) average, maxima take the largest
+    assert merged == {"env/sandbox_runs": 17, "perf/rate": 3.0, "mem": 2.5, "expert/reference": 1.0,
+                      "runs_unmarked": 8.5, "only/one": 3}
+    with pytest.raises(TypeError, match="mixed kinds"):
+        reduce_over_ranks([{"x": Counter(1)}, {"x": Gauge(1)}])
 
 
 # ---------------------------------------------------------------- torchrun on CPU

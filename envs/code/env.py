@@ -10,6 +10,7 @@ from typing import Any, Mapping, Sequence
 
 from magrpo.distributed import is_main_process
 from magrpo.env import ENVS, Environment, Scored
+from magrpo.metrics import Counter, Gauge
 
 from .judge import unsupported_reason
 from .problems import DatasetError, extract_tests, load_problems, parse_signature, prompt_context, wrap_case
@@ -133,11 +134,11 @@ class CodeEnv(Environment):
 
     def metrics(self) -> dict[str, float]:
         return {
-            "env/sandbox_runs": self.sandbox_runs,
-            "env/sandbox_timeouts": self.timeouts,
-            "env/skipped_problems": float(self.skipped),  # a float: every process loads the same data (not summed)
-            "env/unsupported_cases": float(self.unsupported),
-            "perf/sandbox_runs_per_s": self.sandbox_runs / self.sandbox_s if self.sandbox_s else 0.0,
+            "env/sandbox_runs": Counter(self.sandbox_runs),
+            "env/sandbox_timeouts": Counter(self.timeouts),
+            "env/skipped_problems": Gauge(self.skipped),  # every process loads the same data
+            "env/unsupported_cases": Gauge(self.unsupported),
+            "perf/sandbox_runs_per_s": Gauge(self.sandbox_runs / self.sandbox_s if self.sandbox_s else 0.0),
         }
 
     def state(self) -> dict[str, Any]:
