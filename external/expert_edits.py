@@ -3,8 +3,9 @@ its previous code and the expert's version of it.
 
 The expert (external.expert.backend) is the offline `reference` (edits from the dataset's canonical
 solution, expert/reference.py), any OpenAI-compatible endpoint (`openai`) or a local transformers
-model (`hf`). LLM experts get EXPERT_PROMPT and answer with JSON {"aux": ..., "main": ...}. All
-branches of a turn go to the expert in one call (concurrent requests, or one batched generate).
+model (`hf`). LLM experts get EXPERT_PROMPT and answer with JSON {"aux": ..., "main": ...} (one
+key per agent: its helper's name, or "main"). All branches of a turn go to the expert in one call
+(concurrent requests, or one batched generate).
 A branch whose request fails or whose reply does not parse falls back to the level_feedback
 prompt, counted as expert/fallbacks; it is never left with an empty prompt.
 """
@@ -35,8 +36,7 @@ Propose the smallest edits that make every test pass. Reply with only a JSON obj
 
 
 def expert_prompt(problem: str, context: Mapping[str, Any]) -> str:
-    roles, functions, entry = context["roles"], context["functions"], context["entry_point"]
-    two = len(roles) == 2
+    roles, functions = context["roles"], context["functions"]
     codes = "\n\n".join(f"Agent {a} wrote `{functions[a]}` (key \"{roles[a]}\"):\n{fenced(context['code'][a] or '# (no code)')}"
                         for a in range(len(roles)))
     if not context["ran"]:
@@ -48,10 +48,20 @@ def expert_prompt(problem: str, context: Mapping[str, Any]) -> str:
         if context["first_failure"] is not None:
             results += f"; first failing test: {context['first_failure']['case']} -> {context['first_failure']['error']}"
     return EXPERT_PROMPT.format(
-        count="two agents" if two else "one agent",
-        roles=f" Agent 0 writes a helper `aux`; agent 1 writes `{entry}`, which may call `aux`." if two else "",
-        problem=problem.strip(), codes=codes, results=results, keys=", ".join(f'"{r}"' for r in roles),
+        count={1: "one agent", 2: "two agents"}.get(len(roles), f"{len(roles)} agents"),
+        roles=_roles_line(functions), problem=problem.strip(), codes=codes, results=results,
+        keys=", ".join(f'"{r}"' for r in roles),
     )
+
+
+def _roles_line(functions: list[str]) -> str:
+    """Who writes what, after the first sentence (nothing for a single agent)."""
+    helpers, entry = functions[:-1], functions[-1]
+    if not helpers:
+        return ""
+    who = ", ".join(f"agent {a} a helper `{h}`" if a else f"Agent 0 writes a helper `{h}`" for a, h in enumerate(helpers))
+    calls = f"`{helpers[0]}`" if len(helpers) == 1 else "them"
+    return f" {who}; agent {len(helpers)} writes `{entry}`, which may call {calls}."
 
 
 class LLMExpert:

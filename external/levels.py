@@ -1,7 +1,8 @@
 """Code-env feedback from what scoring found, from most to least detailed:
 
 - `level_feedback`: each level with its diagnostics (definitions, syntax error with line/column,
-  tests passed p/t with the first failing case and its error, aux usage, thin-wrapper warning);
+  tests passed p/t with the first failing case and its error, each helper's usage, thin-wrapper
+  warning);
 - `level_passed`: the same levels as bare passed/failed;
 - `passed`: one line, all levels passed or not.
 
@@ -17,32 +18,37 @@ from magrpo.feedback import FEEDBACK
 from .prompts import CODE_CONTEXT, assemble
 
 AUX_USAGE = {
-    "no_aux": "there is no `aux` to call.",
-    "not_called": "`{entry}` does not call `aux`.",
-    "ignored": "`{entry}` calls `aux` but ignores its result.",
-    "used": "`{entry}` uses the result of `aux`.",
+    "no_aux": "there is no `{helper}` to call.",
+    "not_called": "`{entry}` does not call `{helper}`.",
+    "ignored": "`{entry}` calls `{helper}` but ignores its result.",
+    "used": "`{entry}` uses the result of `{helper}`.",
 }
 
 
+def _returned_calls(helpers: list[str], quote: str = "") -> str:
+    """What a thin wrapper returns: `aux(...)`, or `aux(...)` or `aux2(...)` with several helpers."""
+    return " or ".join(f"{quote}{h}(...){quote}" for h in helpers)
+
+
 def levels(context: Mapping[str, Any]) -> list[tuple[str, bool]]:
-    """(level name, passed) in reward order; the aux levels only when an aux writer exists."""
-    two = "aux" in context["roles"]
-    out = [("aux defined", context["aux_defined"])] if two else []
-    out += [(f"{context['entry_point']} defined", context["main_defined"]),
+    """(level name, passed) in reward order; the helper levels once per helper writer (none alone)."""
+    helpers, entry = context["functions"][:-1], context["entry_point"]
+    out = [(f"{h} defined", ok) for h, ok in zip(helpers, context["helper_defined"])]
+    out += [(f"{entry} defined", context["main_defined"]),
             ("syntax", context["syntax_ok"]),
             ("tests", context["ran"] and context["passed"] == context["total"] and not context["timed_out"])]
-    if two:
-        out += [("aux used", context["aux_usage"] == "used"),
-                (f"{context['entry_point']} does more than return aux(...)", context["aux_usage"] == "used" and not context["is_wrapper"])]
+    if helpers:
+        used = [usage == "used" for usage in context["helper_usage"]]
+        out += [(f"{h} used", ok) for h, ok in zip(helpers, used)]
+        out += [(f"{entry} does more than return {_returned_calls(helpers)}", any(used) and not context["is_wrapper"])]
     return out
 
 
 def diagnostics(context: Mapping[str, Any], agent: int) -> str:
     entry, functions = context["entry_point"], context["functions"]
-    lines = []
-    if "aux" in context["roles"]:
-        lines.append("- `aux`: " + ("defined with a return." if context["aux_defined"]
-                                    else "not found with a return statement."))
+    helpers = functions[:-1]
+    lines = [f"- `{h}`: " + ("defined with a return." if ok else "not found with a return statement.")
+             for h, ok in zip(helpers, context["helper_defined"])]
     lines.append(f"- `{entry}`: " + ("defined with a return." if context["main_defined"]
                                      else "not found with a return statement."))
     if context["syntax_ok"]:
@@ -63,10 +69,12 @@ def diagnostics(context: Mapping[str, Any], agent: int) -> str:
             lines.append(f"  First failing test:\n{case}\n  Error: {failure['error']}")
     else:
         lines.append("- tests: not run (the program is incomplete).")
-    if "aux" in context["roles"] and context["main_defined"]:
-        lines.append("- aux usage: " + AUX_USAGE[context["aux_usage"]].format(entry=entry))
+    if helpers and context["main_defined"]:
+        lines += [f"- {h} usage: " + AUX_USAGE[usage].format(entry=entry, helper=h)
+                  for h, usage in zip(helpers, context["helper_usage"])]
         if context["is_wrapper"]:
-            lines.append(f"- warning: `{entry}` only returns `aux(...)`; do part of the work in `{entry}` itself.")
+            lines.append(f"- warning: `{entry}` only returns {_returned_calls(helpers, '`')}; "
+                         f"do part of the work in `{entry}` itself.")
     return "Feedback on the combined program:\n" + "\n".join(lines)
 
 

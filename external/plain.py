@@ -28,7 +28,11 @@ def plain(prompt, agent_completions, num_agents, prompt_history_per_agent, respo
     for i in range(num_agents):
         partner = ""
         if options.get("show_partner", False):
-            partner = "\n\n".join(f"The other agent's previous code (`{context['functions'][j]}`):\n{fenced(context['code'][j] or '# (no code)')}"
-                                  for j in range(num_agents) if j != i)
+            partner = "\n\n".join(f"{_whose(j, num_agents)} previous code (`{context['functions'][j]}`):\n"
+                                  f"{fenced(context['code'][j] or '# (no code)')}" for j in range(num_agents) if j != i)
         out.append(assemble(i, num_agents, context, prompt_history_per_agent, response_history_per_agent, partner))
     return out
+
+
+def _whose(agent: int, num_agents: int) -> str:
+    return "The other agent's" if num_agents == 2 else f"Agent {agent}'s"

@@ -12,8 +12,8 @@ from __future__ import annotations
 from typing import Any, Mapping, Sequence
 
 # Context keys of the code env that the code modes read (checked at start-up against the env).
-CODE_CONTEXT = frozenset({"roles", "functions", "code", "entry_point", "aux_defined", "main_defined", "syntax_ok",
-                          "syntax_errors", "ran", "passed", "total", "timed_out", "first_failure", "aux_usage",
+CODE_CONTEXT = frozenset({"roles", "functions", "code", "entry_point", "helper_defined", "main_defined", "syntax_ok",
+                          "syntax_errors", "ran", "passed", "total", "timed_out", "first_failure", "helper_usage",
                           "is_wrapper"})
 
 

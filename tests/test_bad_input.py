@@ -63,6 +63,7 @@ CASES = [
     ([*CODE, "env.timeout_s=-1"], "env.timeout_s", ["> 0"]),
     ([*CODE, "env.timeout_s=0"], "env.timeout_s", ["> 0"]),
     ([*CODE, "env.workers=-1"], "env.workers", [">= 0"]),
+    ([*CODE, "env.num_agents=0"], "env.num_agents", [">= 1", "N-1 helper writers + the entry point"]),
     ([*CODE, "env.reward.scale=nan"], "env.reward.scale", ["finite"]),
     (["model.device=cuda"], "model.device", ["no CUDA device", "auto or cpu"]),
     (["model.device=gpu"], "model.device", ["auto, cpu, cuda, cuda:N"]),

@@ -1,5 +1,6 @@
-"""The code-collaboration environment: agent 0 writes a helper `aux`, agent 1 the entry point that
-may call it (one agent: the entry point alone). Programs run in the sandbox, never in-process."""
+"""The code-collaboration environment: agents 0..N-2 each write one helper (`aux`, `aux2`, ...),
+agent N-1 the entry point that may call them (one agent: the entry point alone). Programs run in the
+sandbox, never in-process."""
 from __future__ import annotations
 
 import os
@@ -14,22 +15,22 @@ from magrpo.metrics import Counter, Gauge
 
 from .judge import unsupported_reason
 from .problems import DatasetError, extract_tests, load_problems, parse_signature, prompt_context, wrap_case
-from .reward import Analysis, RewardWeights, analyze, score, strip_fences, syntax_error
+from .reward import USAGES, Analysis, RewardWeights, analyze, helper_names, score, strip_fences, syntax_error
 from .sandbox import Program, RunResult, SandboxLimits, run_many
 
-AUX_PROMPT = """You are agent 0 of 2 solving a Python problem together.
+HELPER_PROMPT = """You are agent {agent} of {num_agents} solving a Python problem together.
 
 Problem:
 {prompt}
-Write a helper function named `aux` that does a useful part of the work for `{name}({params})`.
-Another agent writes `{name}` and will call your `aux`. Output only the code of `def aux(...)`,
+Write a helper function named `{helper}` that does a useful part of the work for `{name}({params})`.
+{others} Output only the code of `def {helper}(...)`,
 with a return statement and no docstring."""
 
-MAIN_PROMPT = """You are agent 1 of 2 solving a Python problem together.
+MAIN_PROMPT = """You are agent {agent} of {num_agents} solving a Python problem together.
 
 Problem:
 {prompt}
-Another agent writes a helper function `aux` that you may call. Implement
+{helpers} Implement
 {signature}
 Output only the code of `def {name}(...)`, with a return statement and no docstring."""
 
@@ -53,7 +54,7 @@ class CodeEnv(Environment):
         eval_split: str = "test[132:]"
         """Hugging Face split syntax for evaluation problems."""
         num_agents: int = 2
-        """2: aux writer + main writer; 1: a single agent writes the entry point."""
+        """N >= 2: agents 0..N-2 write helpers `aux`, `aux2`, ..., agent N-1 the entry point; 1: the entry point alone."""
         timeout_s: float = 5.0
         """Wall-clock limit for one program with all its test cases."""
         workers: int = 0
@@ -65,16 +66,16 @@ class CodeEnv(Environment):
     split_keys = {"train": "env.train_split", "eval": "env.eval_split"}
     context_keys = frozenset({
         "task_id", "entry_point", "params", "signature", "tests", "canonical_solution", "roles", "functions", "code",
-        "aux_defined", "main_defined", "syntax_ok", "syntax_errors", "ran", "passed", "total", "timed_out",
-        "first_failure", "aux_usage", "is_wrapper", "program", "reward", "reward_parts",
+        "aux_defined", "helper_defined", "main_defined", "syntax_ok", "syntax_errors", "ran", "passed", "total",
+        "timed_out", "first_failure", "aux_usage", "helper_usage", "is_wrapper", "program", "reward", "reward_parts",
     })
 
     def __init__(self, cfg: Any):
         super().__init__(cfg)
-        from magrpo.config import ConfigError, above, at_least
+        from magrpo.config import above, at_least
 
-        if cfg.num_agents not in (1, 2):
-            raise ConfigError("env.num_agents", f"must be 1 or 2 for the code env, got {cfg.num_agents}")
+        at_least("env.num_agents", cfg.num_agents, 1,
+                 "1: the entry point alone; N >= 2: N-1 helper writers + the entry point")
         above("env.timeout_s", cfg.timeout_s, 0)  # 0 or less: every program, correct ones too, times out
         at_least("env.workers", cfg.workers, 0)
         self.weights = cfg.reward
@@ -147,10 +148,13 @@ class CodeEnv(Environment):
     def agent_prompts(self, problem: Mapping[str, Any]) -> list[str]:
         sig = self._parsed[problem["task_id"]][0]
         values = dict(prompt=problem["prompt"].strip(), name=sig.name, params=", ".join(sig.params),
-                      signature=sig.source)
+                      signature=sig.source, num_agents=self.num_agents)
         if self.num_agents == 1:
             return [SINGLE_PROMPT.format(**values)]
-        return [AUX_PROMPT.format(**values), MAIN_PROMPT.format(**values)]
+        helpers = helper_names(self.num_agents - 1)
+        main = MAIN_PROMPT.format(**values, agent=len(helpers), helpers=_helpers_line(helpers))
+        return [HELPER_PROMPT.format(**values, agent=k, helper=h, others=_others_line(helpers, h, sig.name))
+                for k, h in enumerate(helpers)] + [main]
 
     def rewards(self, problems: Sequence[Mapping[str, Any]], joint_completions: Sequence[Sequence[str]]) -> list[float]:
         return [s.reward for s in self.score(problems, joint_completions)]
@@ -160,13 +164,13 @@ class CodeEnv(Environment):
 
     def score(self, problems: Sequence[Mapping[str, Any]], joint_completions: Sequence[Sequence[str]]) -> list[Scored]:
         """Static levels with `ast`, then every program that parses runs in the sandbox, in parallel.
-        Outcomes per joint action: reward, passed (all cases), syntax_ok, aux_used, timeout; the
-        context carries the diagnostics feedback modes show (see `feedback_context`)."""
+        Outcomes per joint action: reward, passed (all cases), syntax_ok, aux_used (fraction of the
+        helpers the entry point calls), timeout; the context carries the diagnostics feedback modes
+        show (see `feedback_context`)."""
         analyses = []
         for problem, texts in zip(problems, joint_completions):
-            aux, main = (None, texts[0]) if self.num_agents == 1 else (texts[0], texts[1])
             context = self._parsed[problem["task_id"]][2]
-            analyses.append(analyze(aux, main, problem["entry_point"], imports=context))
+            analyses.append(analyze(texts[:-1], texts[-1], problem["entry_point"], imports=context))
         to_run = [i for i, a in enumerate(analyses) if a.main_defined and a.parses]
         programs = [self._program(problems[i], analyses[i].program) for i in to_run]
         start = time.perf_counter()
@@ -184,7 +188,7 @@ class CodeEnv(Environment):
                 "reward": reward,
                 "passed": float(r is not None and total > 0 and passed == total),
                 "syntax_ok": float(a.parses),
-                "aux_used": float(a.main_calls_aux and a.aux_source is not None),
+                "aux_used": sum(h.used for h in a.helpers) / len(a.helpers) if a.helpers else 0.0,
                 "timeout": float(r is not None and r.timed_out),
             }
             out.append(Scored(reward, outcomes, self.feedback_context(problems[i], joint_completions[i], a, r, reward, parts)))
@@ -200,12 +204,7 @@ class CodeEnv(Environment):
                 if not case_result.passed:
                     first_failure = {"case": case, "error": case_result.error or "failed"}
                     break
-        if a.aux_source is None:
-            aux_usage = "no_aux"
-        elif not a.main_calls_aux:
-            aux_usage = "not_called"
-        else:
-            aux_usage = "ignored" if a.ignores_aux else "used"
+        helpers = helper_names(self.num_agents - 1)
         return {
             "task_id": problem["task_id"],
             "entry_point": problem["entry_point"],
@@ -213,12 +212,13 @@ class CodeEnv(Environment):
             "signature": sig.source,
             "tests": list(suite.cases),
             "canonical_solution": problem.get("canonical_solution") or None,
-            "roles": ["main"] if self.num_agents == 1 else ["aux", "main"],
-            "functions": [problem["entry_point"]] if self.num_agents == 1 else ["aux", problem["entry_point"]],
+            "roles": [*helpers, "main"],
+            "functions": [*helpers, problem["entry_point"]],
             # each agent's code as the checks saw it: its function when found, else the fence-less text
             "code": [src if src is not None else strip_fences(text).strip()
-                     for src, text in zip(([a.main_source] if self.num_agents == 1 else [a.aux_source, a.main_source]), texts)],
-            "aux_defined": a.aux_defined,
+                     for src, text in zip([*(h.source for h in a.helpers), a.main_source], texts)],
+            "aux_defined": a.aux_defined,  # every helper
+            "helper_defined": [h.defined for h in a.helpers],
             "main_defined": a.main_defined,
             "syntax_ok": a.parses,
             "syntax_errors": [syntax_error(text) for text in texts],
@@ -227,7 +227,8 @@ class CodeEnv(Environment):
             "total": len(result.cases) if result is not None else len(suite.cases),
             "timed_out": bool(result is not None and result.timed_out),
             "first_failure": first_failure,
-            "aux_usage": aux_usage,
+            "aux_usage": min((h.usage for h in a.helpers), key=USAGES.index, default="no_aux"),  # the worst one
+            "helper_usage": [h.usage for h in a.helpers],
             "is_wrapper": a.is_wrapper,
             "program": a.program,
             "reward": reward,
@@ -241,3 +242,23 @@ class CodeEnv(Environment):
         # prompt's code again, plus the test's own module level) runs in the judge only.
         return Program(code=f"{program}\n", preamble=suite.preamble,
                        cases=[wrap_case(case, entry) for case in suite.cases], entry_point=entry)
+
+
+def _listing(names: Sequence[str]) -> str:
+    """`a`, `b` and `c`."""
+    quoted = [f"`{n}`" for n in names]
+    return quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} and {quoted[-1]}"
+
+
+def _others_line(helpers: Sequence[str], own: str, entry: str) -> str:
+    """What a helper writer is told about the other agents (the two-agent sentence when alone)."""
+    others = [h for h in helpers if h != own]
+    if not others:
+        return f"Another agent writes `{entry}` and will call your `{own}`."
+    return f"Other agents write {_listing([*others, entry])}; `{entry}` will call your `{own}`."
+
+
+def _helpers_line(helpers: Sequence[str]) -> str:
+    if len(helpers) == 1:
+        return f"Another agent writes a helper function `{helpers[0]}` that you may call."
+    return f"Other agents write the helper functions {_listing(helpers)}, which you may call."

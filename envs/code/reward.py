@@ -1,14 +1,19 @@
-"""Leveled reward for the aux + main code collaboration (after the reference environment's levels).
+"""Leveled reward for the helpers + entry point code collaboration (after the reference
+environment's levels). With N agents, agents 0..N-2 each write one helper (`helper_names`: `aux`,
+`aux2`, `aux3`, ...) and agent N-1 writes the entry point ("main"). A per-helper level pays its
+weight times the fraction of helpers that reach it, so N=2 (one helper, `aux`) is the original
+reward and the maximum stays 4.0 for every N.
 
-| level | check                                                        | weight key        | default |
-|-------|--------------------------------------------------------------|-------------------|---------|
-| 1     | agent 0 defines `aux` with a `return`                        | aux_defined       | +0.4    |
-| 1     | agent 1 defines the entry point with a `return` (else stop)  | main_defined      | +0.6    |
-| 2     | imports + aux + main parse as one program (else stop)        | syntax            | +0.5    |
-| 3     | fraction of test cases passed (timeouts count as failures)   | tests             | +0..1.0 |
-| bonus | >= 1 test passes, aux defined and main calls aux             | aux_used          | +0.5    |
-| bonus | ... and main is not a thin wrapper (`return aux(...)`)       | non_wrapper       | +1.0    |
-| bonus | ... and main calls aux but discards its result               | ignored_aux       | -0.5    |
+| level | check                                                           | weight key    | default |
+|-------|-----------------------------------------------------------------|---------------|---------|
+| 1     | helpers defined with a `return` (fraction of the N-1)           | aux_defined   | +0.4    |
+| 1     | agent N-1 defines the entry point with a `return` (else stop)   | main_defined  | +0.6    |
+| 2     | imports + helpers + main parse as one program (else stop)       | syntax        | +0.5    |
+| 3     | fraction of test cases passed (timeouts count as failures)      | tests         | +0..1.0 |
+| bonus | >= 1 test passes and main calls >= 1 helper; then:              |               |         |
+|       |   fraction of helpers that exist and main calls                 | aux_used      | +0.5    |
+|       |   main is not a thin wrapper (`return <helper>(...)`)           | non_wrapper   | +1.0    |
+|       |   fraction of helpers whose result main discards (bare call)    | ignored_aux   | -0.5    |
 
 Final reward = (sum + shift) * scale. Everything here is static analysis with `ast`; running the
 tests is the sandbox's job, and its pass counts come in as numbers.
@@ -18,8 +23,10 @@ from __future__ import annotations
 import ast
 import re
 from dataclasses import dataclass
+from typing import Sequence
 
 AUX = "aux"
+USAGES = ("no_aux", "not_called", "ignored", "used")  # worst to best
 FENCE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL)
 
 
@@ -36,17 +43,55 @@ class RewardWeights:
     scale: float = 1.0
 
 
+def helper_names(count: int) -> list[str]:
+    """Names of the helpers written by agents 0..count-1: `aux`, `aux2`, `aux3`, ..."""
+    return [AUX if k == 0 else f"{AUX}{k + 1}" for k in range(count)]
+
+
+@dataclass(frozen=True)
+class Helper:
+    """One helper writer's function, as the entry point sees it."""
+    name: str
+    source: str | None  # the `def name` found in the writer's completion
+    defined: bool  # defined with a return statement
+    called: bool  # main calls it
+    ignored: bool  # main calls it as a bare statement, dropping its result
+
+    @property
+    def used(self) -> bool:
+        return self.source is not None and self.called
+
+    @property
+    def usage(self) -> str:
+        """One of USAGES: missing, not called by main, called but its result dropped, used."""
+        if self.source is None:
+            return "no_aux"
+        if not self.called:
+            return "not_called"
+        return "ignored" if self.ignored else "used"
+
+
 @dataclass(frozen=True)
 class Analysis:
-    aux_source: str | None  # the `def aux` found in agent 0's completion
-    main_source: str | None  # the entry point's `def` found in agent 1's completion
-    aux_defined: bool  # defined with a return statement
+    helpers: tuple[Helper, ...]  # agents 0..N-2 in order; empty for a single agent
+    main_source: str | None  # the entry point's `def` found in agent N-1's completion
     main_defined: bool
-    program: str | None  # imports + aux + main, when main is defined
+    program: str | None  # imports + helpers + main, when main is defined
     parses: bool
-    main_calls_aux: bool
-    is_wrapper: bool  # main's body is only `return aux(...)`
-    ignores_aux: bool  # main calls aux as a bare statement, dropping its result
+    is_wrapper: bool  # main's body is only `return <helper>(...)`
+
+    # Two-agent names (one helper, `aux`), kept for callers written before N agents.
+    @property
+    def aux_source(self) -> str | None:
+        return self.helpers[0].source if self.helpers else None
+
+    @property
+    def aux_defined(self) -> bool:
+        return bool(self.helpers) and all(h.defined for h in self.helpers)
+
+    @property
+    def main_calls_aux(self) -> bool:
+        return any(h.called for h in self.helpers)
 
 
 def strip_fences(text: str) -> str:
@@ -109,64 +154,72 @@ def has_return(fn: ast.FunctionDef) -> bool:
     return any(isinstance(n, ast.Return) and n.value is not None for n in _own_nodes(fn))
 
 
-def _is_aux_call(node: ast.AST) -> bool:
-    return isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == AUX
+def _is_call_of(node: ast.AST, names: frozenset[str]) -> bool:
+    return isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in names
 
 
-def calls_aux(fn: ast.FunctionDef) -> bool:
-    return any(_is_aux_call(n) for n in ast.walk(fn))
+def calls(fn: ast.FunctionDef, name: str) -> bool:
+    return any(_is_call_of(n, frozenset({name})) for n in ast.walk(fn))
 
 
-def ignores_aux(fn: ast.FunctionDef) -> bool:
-    """A statement that is only `aux(...)`: the call runs, its value is thrown away."""
-    return any(isinstance(n, ast.Expr) and _is_aux_call(n.value) for n in ast.walk(fn))
+def ignores(fn: ast.FunctionDef, name: str) -> bool:
+    """A statement that is only `name(...)`: the call runs, its value is thrown away."""
+    return any(isinstance(n, ast.Expr) and _is_call_of(n.value, frozenset({name})) for n in ast.walk(fn))
 
 
-def is_wrapper(fn: ast.FunctionDef) -> bool:
-    """Main does nothing but `return aux(...)` (a docstring aside)."""
+def is_wrapper(fn: ast.FunctionDef, names: frozenset[str] = frozenset({AUX})) -> bool:
+    """Main does nothing but `return helper(...)` for one of `names` (a docstring aside)."""
     body = [s for s in fn.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant)
                                        and isinstance(s.value.value, str))]
-    return len(body) == 1 and isinstance(body[0], ast.Return) and _is_aux_call(body[0].value)
+    return len(body) == 1 and isinstance(body[0], ast.Return) and _is_call_of(body[0].value, names)
 
 
-def analyze(aux_completion: str | None, main_completion: str, entry_point: str, imports: str = "") -> Analysis:
-    """aux_completion None: single-agent setting (no aux writer)."""
-    aux = find_function(aux_completion, AUX) if aux_completion is not None else None
+def analyze(helpers: Sequence[str] | str | None, main_completion: str, entry_point: str, imports: str = "") -> Analysis:
+    """helpers: the completions of agents 0..N-2 in order, writing `helper_names(N-1)`; one string
+    is the two-agent form (`aux`), None or () the single-agent setting."""
+    completions = () if helpers is None else (helpers,) if isinstance(helpers, str) else tuple(helpers)
+    names = helper_names(len(completions))
+    fns = [find_function(text, name) for text, name in zip(completions, names)]
     main = find_function(main_completion, entry_point)
-    aux_src = ast.unparse(aux) if aux is not None else None
+    sources = [ast.unparse(fn) if fn is not None else None for fn in fns]
     main_src = ast.unparse(main) if main is not None else None
     program = None
     parses = False
     if main is not None:
-        program = "\n\n".join(part for part in (imports.strip(), aux_src, main_src) if part)
+        program = "\n\n".join(part for part in (imports.strip(), *sources, main_src) if part)
         try:
             ast.parse(program)
             parses = True
         except SyntaxError:
             parses = False
     return Analysis(
-        aux_source=aux_src,
+        helpers=tuple(Helper(name, src, fn is not None and has_return(fn), main is not None and calls(main, name),
+                             main is not None and ignores(main, name))
+                      for name, fn, src in zip(names, fns, sources)),
         main_source=main_src,
-        aux_defined=aux is not None and has_return(aux),
         main_defined=main is not None and has_return(main),
         program=program,
         parses=parses,
-        main_calls_aux=main is not None and calls_aux(main),
-        is_wrapper=main is not None and is_wrapper(main),
-        ignores_aux=main is not None and ignores_aux(main),
+        is_wrapper=main is not None and is_wrapper(main, frozenset(names)),
     )
+
+
+def _share(weight: float, flags: Sequence[bool]) -> float:
+    """`weight` times the fraction of helpers flagged (exactly `weight` with one flagged helper of one)."""
+    return weight * sum(flags) / len(flags) if any(flags) else 0.0
 
 
 def score(a: Analysis, passed: int, total: int, w: RewardWeights = RewardWeights()) -> tuple[float, dict[str, float]]:
     """Reward and its parts per level. `passed`/`total`: test cases of the combined program."""
-    parts = {"aux_defined": w.aux_defined if a.aux_defined else 0.0}
+    parts = {"aux_defined": _share(w.aux_defined, [h.defined for h in a.helpers])}
     if a.main_defined:
         parts["main_defined"] = w.main_defined
         if a.parses:
             parts["syntax"] = w.syntax
             parts["tests"] = w.tests * (passed / total if total else 0.0)
-            if passed > 0 and a.aux_source is not None and a.main_calls_aux:
-                parts["aux_used"] = w.aux_used
+            used = [h.used for h in a.helpers]
+            if passed > 0 and any(used):
+                parts["aux_used"] = _share(w.aux_used, used)
                 parts["non_wrapper"] = 0.0 if a.is_wrapper else w.non_wrapper
-                parts["ignored_aux"] = w.ignored_aux if a.ignores_aux else 0.0
+                parts["ignored_aux"] = _share(w.ignored_aux, [h.used and h.ignored for h in a.helpers])
     return (sum(parts.values()) + w.shift) * w.scale, parts
