@@ -322,3 +322,24 @@ def claim_run_dir(run_dir: Path, step: int | None) -> None:
         return
     for name in LOGS:  # what the interrupted run wrote after its checkpoint
         repair_log(run_dir / name, step)
+
+
+def resume(chosen: Path | None, world: Any, agents: Sequence[Any], updaters: Sequence[Any], sampler: Any,
+           env: Any) -> dict[str, Any] | None:
+    """Continue from `chosen` (the checkpoint `choose` picked; None: a fresh start): adapters,
+    optimizers, the problem order, and this process's random and env state are restored; returns
+    the trainer state (`step`, `env_step`; None when fresh). Rank 0 reads the checkpoint (other
+    machines need no shared disk); its errors stop every rank."""
+    found = on_main(world, lambda: read(chosen, agents, updaters)) if chosen else None
+    if not found:
+        return None
+    state = apply(found, updaters)
+    sampler.load_state(state["sampler"])
+    ranks = state["ranks"]
+    if len(ranks) != world.size and world.is_main:
+        print(f"magrpo: the checkpoint was written by {len(ranks)} process(es), resuming with {world.size}: "
+              f"rollouts are the same (seeded per tree), other random draws (LoRA dropout) are not", file=sys.stderr)
+    mine = ranks[min(world.rank, len(ranks) - 1)]  # with fewer processes now, the last one's
+    set_rng_state(mine["rng"])
+    env.load_state(mine["env"])
+    return state

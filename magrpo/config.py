@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import re
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 from .errors import ConfigError  # noqa: F401  (re-exported: envs and users import it from here)

@@ -26,6 +26,13 @@ class TreeSettings:
     on_reward_error: str = "raise"  # raise | zero (the joint action scores 0 and gets no child)
     expand: str = "all"  # all | top:M | random:M: which joint actions of a node get a child (tree.expanded)
 
+    @classmethod
+    def of(cls, cfg: Any) -> "TreeSettings":
+        """From a TrainConfig's trainer.* and reward.on_error."""
+        t = cfg.trainer
+        return cls(t.num_generations, t.num_turns, t.joint_mode, t.early_termination_threshold, cfg.reward.on_error,
+                   t.expand)
+
 
 EXPAND_DRAWS = 0x45585044  # a stream domain of its own for random:M (never a sampling stream's key)
 

@@ -2,9 +2,7 @@
 from __future__ import annotations
 
 import random
-import signal
 import sys
-import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -15,18 +13,27 @@ import torch
 from . import checkpoint
 from .backends import make_backend
 from .config import TrainConfig, check_finite
+from .console import StopSignals, progress_bar, startup_line, summary_line
 from .distributed import World, world_from_env
 from .env import Environment, call_env, make_env
 from .errors import ConfigError, TrainingError, log_traceback
 from .evaluation import evaluate
 from .feedback import Feedback
-from .metrics import reduce_over_ranks
 from .generation import SamplingParams
-from .rollout import Rollout, TreeSettings, assign_advantages, expand_trees, merge_rollouts, portable
+from .guards import BadSteps, Halvable, oom_retry
+from .metrics import Counter, Maximum, reduce_over_ranks
+from .rollout import (
+    Rollout,
+    TreeSettings,
+    assign_advantages,
+    expand_trees,
+    merge_rollouts,
+    portable,
+)
 from .run_io import NullWriter, RunWriter, make_run_dir, tree_records
 from .sampling import stream_key
 from .tree import count_leaves
-from .update import AgentUpdater, TrainSample
+from .update import AgentUpdater, TrainSample, UpdateSettings
 from .validation import check_tree_size, step_size, validate
 
 
@@ -99,8 +106,7 @@ TRAIN_STREAM, EVAL_STREAM = 0, 1
 
 def train(cfg: TrainConfig, prepared: tuple[Environment, Feedback] | None = None) -> Path:
     env, feedback = prepared or prepare(cfg)
-    t = cfg.trainer
-    world = world_from_env(cfg.model.device, t.dist_timeout_min)
+    world = world_from_env(cfg.model.device, cfg.trainer.dist_timeout_min)
     try:
         return _train(cfg, env, feedback, world)
     finally:
@@ -108,171 +114,204 @@ def train(cfg: TrainConfig, prepared: tuple[Environment, Feedback] | None = None
 
 
 def _train(cfg: TrainConfig, env: Environment, feedback: Feedback, world: World) -> Path:
-    # Before any model loads: a resume that does not match its run stops here (rank 0 decides).
-    chosen = checkpoint.on_main(world, lambda: checkpoint.choose(cfg.resume, cfg.logging.run_dir, asdict(cfg)))
-    seed_everything(cfg.trainer.seed)  # the same on every rank: identical initial adapters
-    t = cfg.trainer
-    from .models import load_agents
-
-    agents = load_agents(cfg, env.num_agents)
-    backend = make_backend(cfg, agents)
-    updaters = [AgentUpdater(a, t.lr, t.weight_decay, t.warmup_steps) for a in agents]
-    run_dir = Path(world.broadcast(str(make_run_dir(cfg.logging.run_dir, cfg.env["name"])) if world.is_main else None))
-    sampler = ProblemSampler(env.problems("train"), t.seed)  # the same order on every rank; each takes its shard
-    first_step, env_step = 1, 0
-    # Rank 0 reads the checkpoint (other machines need no shared disk); its errors stop every rank.
-    found = checkpoint.on_main(world, lambda: checkpoint.read(chosen, agents, updaters)) if chosen else None
-    state = checkpoint.apply(found, updaters) if found else None
-    if state:
-        first_step, env_step = state["step"] + 1, state["env_step"]
-        sampler.load_state(state["sampler"])
-        ranks = state["ranks"]
-        if len(ranks) != world.size and world.is_main:
-            print(f"magrpo: the checkpoint was written by {len(ranks)} process(es), resuming with {world.size}: "
-                  f"rollouts are the same (seeded per tree), other random draws (LoRA dropout) are not",
-                  file=sys.stderr)
-        mine = ranks[min(world.rank, len(ranks) - 1)]
-        checkpoint.set_rng_state(mine["rng"])
-        env.load_state(mine["env"])
-    if world.is_main:  # only now, with a matching checkpoint loaded (or none to match), is the run dir touched
-        checkpoint.claim_run_dir(run_dir, state["step"] if state else None)
-    writer = RunWriter(run_dir, asdict(cfg), cfg.logging.wandb) if world.is_main else NullWriter()
-    eval_problems = env.problems("eval")[: cfg.eval.max_problems or None] if evaluates(cfg) else []
-    tree = TreeSettings(t.num_generations, t.num_turns, t.joint_mode, t.early_termination_threshold, cfg.reward.on_error,
-                        t.expand)
-    bad_in_row = 0
-    micro = [t.micro_batch_size]  # halved for the rest of the run after an out-of-memory
-    g = cfg.generation
-    # Sampling log-probs feed the train/inference mismatch metrics and truncated importance sampling.
-    sampling = SamplingParams(g.max_new_tokens, g.temperature, g.top_p, g.top_k, logprobs=True)
+    """The loop of the README: collect -> advantages -> update -> log -> eval / checkpoint."""
+    run = Run(cfg, env, feedback, world)
+    trainer = cfg.trainer
+    with run:
+        if cfg.eval.at_start and run.first_step == 1:
+            run.log(0, {**run.evaluate(0), **run.own_metrics(feedback.metrics(), run.backend.metrics())})
+        for step in range(run.first_step, trainer.steps + 1):
+            rollout, collected = run.collect(step)                      # expand this rank's trees
+            assign_advantages(rollout.nodes, trainer.discount, trainer.cross_credit, trainer.baseline, trainer.advantage_scale)
+            agent_stats, update_s = run.update(rollout)                 # each agent's LoRA on its own tokens
+            run.bad_steps.check(step, agent_stats)
+            metrics, whole = run.step_metrics(step, rollout, agent_stats, collected, update_s)
+            run.log(step, metrics, whole)
+            stopping = run.world.any(run.stop.signal is not None)     # a signal on any rank stops them all
+            if run.checkpoint_due(step) or stopping:
+                run.save_checkpoint(step)
+            if stopping:
+                run.announce_stop(step)
+                return run.dir
+        run.save_adapters()
     if world.is_main:
-        procs = f", {world.size} processes" if world.size > 1 else ""
-        nodes, completions = step_size(cfg, env.num_agents)
-        print(f"magrpo: {env.num_agents} agent(s), K={t.num_generations}, T={t.num_turns}, {t.joint_mode}{procs}; "
-              f"up to {nodes:,} nodes and {completions:,} completions per step; run dir {run_dir}", file=sys.stderr)
-    bar = _progress(t.steps, cfg.logging.progress and world.is_main, initial=first_step - 1)
-    stop = _StopSignals()
+        print(f"magrpo: done; adapters in {run.dir / 'adapters'}", file=sys.stderr)
+    return run.dir
 
-    def save_checkpoint(step: int) -> None:
-        ranks = world.gather({"rng": checkpoint.rng_state(), "env": env.state()})
+
+class Run:
+    """One training run's state and phases: models, backend, optimizers, run dir, logging. Built
+    after the resume decision; a context manager that closes what it opened (and keeps the
+    traceback of an error in the run dir)."""
+
+    def __init__(self, cfg: TrainConfig, env: Environment, feedback: Feedback, world: World):
+        # Before any model loads: a resume that does not match its run stops here (rank 0 decides).
+        chosen = checkpoint.on_main(world, lambda: checkpoint.choose(cfg.resume, cfg.logging.run_dir, asdict(cfg)))
+        seed_everything(cfg.trainer.seed)  # the same on every rank: identical initial adapters
+        from .models import load_agents
+
+        trainer, generation = cfg.trainer, cfg.generation
+        self.cfg, self.env, self.feedback, self.world = cfg, env, feedback, world
+        self.agents = load_agents(cfg, env.num_agents)
+        self.backend = make_backend(cfg, self.agents)
+        self.updaters = [AgentUpdater(a, trainer.lr, trainer.weight_decay, trainer.warmup_steps) for a in self.agents]
+        run_dir = make_run_dir(cfg.logging.run_dir, cfg.env["name"]) if world.is_main else None
+        self.dir = Path(world.broadcast(str(run_dir) if run_dir else None))
+        # The same problem order on every rank; each takes its shard of every batch.
+        self.sampler = ProblemSampler(env.problems("train"), trainer.seed)
+        state = checkpoint.resume(chosen, world, self.agents, self.updaters, self.sampler, env)
+        self.first_step, self.env_step = (state["step"] + 1, state["env_step"]) if state else (1, 0)
+        if world.is_main:  # only now, with a matching checkpoint loaded (or none to match), is the run dir touched
+            checkpoint.claim_run_dir(self.dir, state["step"] if state else None)
+        self.writer = RunWriter(self.dir, asdict(cfg), cfg.logging.wandb) if world.is_main else NullWriter()
+        self.eval_problems = env.problems("eval")[: cfg.eval.max_problems or None] if evaluates(cfg) else []
+        self.tree = TreeSettings.of(cfg)
+        self.update_settings = UpdateSettings.of(cfg)
+        self.micro_batch = Halvable("trainer.micro_batch_size", trainer.micro_batch_size)
+        self.bad_steps = BadSteps(trainer.max_bad_steps)
+        # Sampling log-probs feed the train/inference mismatch metrics and truncated importance sampling.
+        self.sampling = SamplingParams(generation.max_new_tokens, generation.temperature, generation.top_p,
+                                       generation.top_k, logprobs=True)
         if world.is_main:
-            state = {"step": step, "env_step": env_step, "sampler": sampler.state(), "ranks": ranks}
-            checkpoint.save(run_dir, step, agents, updaters, state, asdict(cfg), cfg.checkpoint.keep)
+            print(startup_line(cfg, env.num_agents, world.size, step_size(cfg, env.num_agents), self.dir), file=sys.stderr)
+        self.bar = progress_bar(trainer.steps, cfg.logging.progress and world.is_main, initial=self.first_step - 1)
+        self.stop = StopSignals()
 
-    def own_metrics(*parts: dict[str, float]) -> dict[str, float]:
-        """The env's, feedback's and backend's own numbers, merged over ranks (rank 0)."""
+    def __enter__(self) -> "Run":
+        return self
+
+    def __exit__(self, kind, error, tb) -> None:
+        try:
+            if isinstance(error, Exception):  # the console gets one line (cli.py), the run dir the traceback
+                log = log_traceback(self.dir, error) if self.world.is_main else None
+                if log is not None:
+                    error.add_note(f"traceback in {log}")
+        finally:
+            self.stop.restore()
+            self.bar.close()
+            self.writer.close()
+            self.backend.close()
+
+    # ---------------------------------------------------------------- the phases of a step
+
+    def collect(self, step: int) -> tuple[Rollout, dict]:
+        """This rank's trees of the step (sampling keyed by the global tree index, so any number of
+        processes samples the same trees), and what the step's metrics need from before the update."""
+        trainer, world = self.cfg.trainer, self.world
+        start, tokens_before = time.perf_counter(), self.backend.generated_tokens
+        problems = self.sampler.next(trainer.batch_size)
+        lo, hi = world.shard(len(problems))
+        setting = "generation.max_batch_rows" if self.cfg.backend == "hf" else "vllm.gpu_memory_utilization"
+        rollout = oom_retry(lambda: expand_trees(problems[lo:hi], self.env, self.backend, self.feedback, self.tree,
+                                                 self.sampling, seed=stream_key(trainer.seed, step, TRAIN_STREAM),
+                                                 tree_offset=lo),
+                            getattr(self.backend, "halve_batch", None), setting)
+        return rollout, {"start": start, "tokens": self.backend.generated_tokens - tokens_before, "offset": lo,
+                         "backend_metrics": self.backend.metrics()}  # this rollout's numbers, before eval adds its own
+
+    def update(self, rollout: Rollout) -> tuple[list[dict[str, float]], float]:
+        """One optimizer step per agent on its own completions; the adapters then reach the generator."""
+        start = time.perf_counter()
+        self.backend.sleep()
+        agent_stats = []
+        for agent, updater in zip(self.agents, self.updaters):
+            samples = _samples_of(rollout, agent.index)
+            # Taken once, outside the retry: a rank that retries after an out-of-memory (in its forward
+            # or backward) then meets the others at the gradient all-reduce.
+            counts = updater.batch_counts(samples, self.update_settings.kl_coef, self.world)
+            agent_stats.append(oom_retry(
+                lambda: updater.step(samples, self.update_settings, self.micro_batch.value, self.world, counts),
+                self.micro_batch.halve, self.micro_batch.setting))
+        self.backend.sync_weights()  # adapters reach the generator (vllm: new version, checked by the guard)
+        return agent_stats, time.perf_counter() - start
+
+    def step_metrics(self, step: int, rollout: Rollout, agent_stats: list[dict], collected: dict,
+                     update_s: float) -> tuple[dict[str, float], Rollout | None]:
+        """The step's numbers and trees over the whole batch (rank 0; nothing elsewhere), evaluation
+        included when due."""
+        step_s = time.perf_counter() - collected["start"]
+        world = self.world
+        # Rank 0 sees the whole batch: every rank's trees (slimmed for sending) and numbers.
+        parts = world.gather({"rollout": portable(rollout, collected["offset"]) if world.size > 1 else rollout,
+                              "tokens": Counter(collected["tokens"]),
+                              "mem": Maximum(peak_memory_gb(backend_device(self.agents)))})
+        own = self.own_metrics(self.env.metrics(), collected["backend_metrics"])
+        e = self.cfg.eval
+        evaluating = (e.every and step % e.every == 0) or (e.at_end and step == self.cfg.trainer.steps)
+        eval_metrics = self.evaluate(step) if evaluating else {}
+        own.update(self.own_metrics(self.feedback.metrics()))  # after evaluation: its expert calls count too
+        if not world.is_main:
+            return {}, None
+        whole, metrics = _whole_batch_metrics(parts, agent_stats, self.cfg.trainer.num_turns)
+        self.env_step += int(metrics["tree/joint_actions"])
+        metrics.update({**own, **eval_metrics, "env_step": self.env_step, "perf/update_s": update_s,
+                        "perf/step_s": step_s})
+        return metrics, whole
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        trainer, bar = self.cfg.trainer, self.bar
+        bar.write(f"magrpo: evaluating {len(self.eval_problems)} problem(s), greedy + {self.cfg.eval.num_samples} "
+                  f"sample(s), {trainer.num_turns} turn(s)", file=sys.stderr)
+        out = evaluate(self.env, self.backend, self.feedback, self.eval_problems, trainer.num_turns, self.sampling,
+                       self.cfg.eval.num_samples, seed=stream_key(trainer.seed, step, EVAL_STREAM), world=self.world,
+                       early_termination_threshold=trainer.early_termination_threshold,
+                       on_reward_error=self.cfg.reward.on_error)
+        if self.world.is_main:
+            last = trainer.num_turns - 1
+            summary = ", ".join(f"{key.split('/', 2)[2]} {out[key]:.3f}" for key in
+                                (f"eval/turn_{last}/greedy_reward_mean", f"eval/turn_{last}/pass@1_greedy") if key in out)
+            bar.write(f"magrpo: eval turn {last + 1}: {summary} ({out['perf/eval_s']:.0f} s)", file=sys.stderr)
+        return out
+
+    def own_metrics(self, *parts: dict[str, float]) -> dict[str, float]:
+        """The env's, feedback's and backend's own numbers, merged over ranks by kind (rank 0)."""
         merged: dict[str, float] = {}
         for part in parts:
             merged.update(part)
-        return reduce_over_ranks(world.gather(merged) or [{}])
+        return reduce_over_ranks(self.world.gather(merged) or [{}])
 
-    def run_eval(step: int) -> dict[str, float]:
-        bar.write(f"magrpo: evaluating {len(eval_problems)} problem(s), greedy + {cfg.eval.num_samples} sample(s), "
-                  f"{t.num_turns} turn(s)", file=sys.stderr)
-        out = evaluate(env, backend, feedback, eval_problems, t.num_turns, sampling, cfg.eval.num_samples,
-                       seed=stream_key(t.seed, step, EVAL_STREAM), world=world,
-                       early_termination_threshold=t.early_termination_threshold, on_reward_error=cfg.reward.on_error)
-        if not world.is_main:
-            return out
-        last = t.num_turns - 1
-        summary = ", ".join(f"{key.split('/', 2)[2]} {out[key]:.3f}" for key in
-                            (f"eval/turn_{last}/greedy_reward_mean", f"eval/turn_{last}/pass@1_greedy") if key in out)
-        bar.write(f"magrpo: eval turn {last + 1}: {summary} ({out['perf/eval_s']:.0f} s)", file=sys.stderr)
-        return out
+    def log(self, step: int, metrics: dict[str, float], whole: Rollout | None = None) -> None:
+        """Rank 0: the metrics line, the whole batch's trees (rollouts.jsonl, sample pages), the console."""
+        if not self.world.is_main:
+            return
+        self.writer.log_metrics(step, metrics)
+        if whole is None:  # the evaluation before the first step
+            return
+        cfg, every = self.cfg, self.cfg.logging.samples_every
+        sample_trees = every and (step % every == 0 or step == cfg.trainer.steps)
+        if cfg.logging.rollouts or sample_trees:
+            records = tree_records(step, whole.problems, whole.nodes)
+            if cfg.logging.rollouts:
+                self.writer.log_trees(records)
+            if sample_trees:
+                self.writer.log_samples(step, records)
+        self.bar.update(1)
+        self.bar.set_postfix(reward=f"{metrics['train/reward_mean']:.3f}", tok_s=f"{metrics['perf/tokens_per_s']:.0f}")
+        if cfg.logging.every and step % cfg.logging.every == 0:
+            self.bar.write(summary_line(step, cfg.trainer.steps, metrics, self.env.num_agents, cfg.trainer.num_turns),
+                           file=sys.stderr)
 
-    try:
-        if cfg.eval.at_start and first_step == 1:
-            start_eval = run_eval(0)
-            writer.log_metrics(0, {**start_eval, **own_metrics(feedback.metrics(), backend.metrics())})
-        for step in range(first_step, t.steps + 1):
-            start = time.perf_counter()
-            tokens_before = backend.generated_tokens
-            problems = sampler.next(t.batch_size)
-            lo, hi = world.shard(len(problems))  # this rank's trees; sampling is keyed by the global tree index
-            rollout = oom_retry(lambda: expand_trees(problems[lo:hi], env, backend, feedback, tree, sampling,
-                                                     seed=stream_key(t.seed, step, TRAIN_STREAM), tree_offset=lo),
-                                getattr(backend, "halve_batch", None),
-                                "generation.max_batch_rows" if cfg.backend == "hf" else "vllm.gpu_memory_utilization")
-            new_tokens = backend.generated_tokens - tokens_before  # before evaluation adds its own tokens
-            assign_advantages(rollout.nodes, t.discount, t.cross_credit, t.baseline, t.advantage_scale)
+    def checkpoint_due(self, step: int) -> bool:
+        every = self.cfg.checkpoint.every
+        return bool(every and step % every == 0) or step == self.cfg.trainer.steps
 
-            u0 = time.perf_counter()
-            backend_metrics = backend.metrics()  # this rollout's numbers (e.g. prefix-cache hits), before eval
-            backend.sleep()
-            agent_stats = []
-            for a, up in zip(agents, updaters):
-                samples = _samples_of(rollout, a.index)
-                # Taken once, outside the retry: a rank that retries after an out-of-memory (in its forward
-                # or backward) then meets the others at the gradient all-reduce.
-                counts = up.batch_counts(samples, t.kl_coef, world)
-                agent_stats.append(oom_retry(
-                    lambda: up.step(samples, loss_agg=t.loss_agg, max_new_tokens=g.max_new_tokens,
-                                    micro_batch_size=micro[0], ppo_epochs=t.ppo_epochs, clip_eps=t.clip_eps,
-                                    kl_coef=t.kl_coef, max_grad_norm=t.max_grad_norm, tis_cap=t.tis_cap,
-                                    temperature=g.temperature,
-                                    world=world, counts=counts),
-                    lambda: _halve(micro), "trainer.micro_batch_size"))
-            backend.sync_weights()  # adapters reach the generator (vllm: new version, checked by the guard)
-            update_s = time.perf_counter() - u0
-            bad = [a for a, stats in enumerate(agent_stats) if stats["skipped_updates"]]
-            bad_in_row = bad_in_row + 1 if bad else 0
-            if bad_in_row > t.max_bad_steps:
-                raise TrainingError(f"{bad_in_row} steps in a row had a NaN/inf loss or gradient (agents {bad}; last at "
-                                    f"step {step}); stopping (trainer.max_bad_steps={t.max_bad_steps}). Lower trainer.lr "
-                                    f"or check the rewards; the last checkpoint is intact")
-            step_s = time.perf_counter() - start
+    def save_checkpoint(self, step: int) -> None:
+        ranks = self.world.gather({"rng": checkpoint.rng_state(), "env": self.env.state()})
+        if self.world.is_main:
+            state = {"step": step, "env_step": self.env_step, "sampler": self.sampler.state(), "ranks": ranks}
+            checkpoint.save(self.dir, step, self.agents, self.updaters, state, asdict(self.cfg), self.cfg.checkpoint.keep)
 
-            # Rank 0 sees the whole batch: every rank's trees (slimmed for sending) and numbers.
-            parts = world.gather({"rollout": portable(rollout, lo) if world.size > 1 else rollout, "tokens": new_tokens,
-                                  "mem": peak_memory_gb(backend_device(agents))})
-            own = own_metrics(env.metrics(), backend_metrics)
-            evaluating = (cfg.eval.every and step % cfg.eval.every == 0) or (cfg.eval.at_end and step == t.steps)
-            eval_metrics = run_eval(step) if evaluating else {}
-            own.update(own_metrics(feedback.metrics()))  # after evaluation: its expert calls count too
-            every = cfg.logging.samples_every
-            sample_trees = every and (step % every == 0 or step == t.steps)
-            if world.is_main:
-                whole, metrics = _whole_batch_metrics(parts, agent_stats, t.num_turns)
-                env_step += int(metrics["tree/joint_actions"])
-                metrics.update({**own, **eval_metrics, "env_step": env_step, "perf/update_s": update_s,
-                                "perf/step_s": step_s})
-                writer.log_metrics(step, metrics)
-                if cfg.logging.rollouts or sample_trees:
-                    records = tree_records(step, whole.problems, whole.nodes)
-                    if cfg.logging.rollouts:
-                        writer.log_trees(records)
-                    if sample_trees:
-                        writer.log_samples(step, records)
-                bar.update(1)
-                bar.set_postfix(reward=f"{metrics['train/reward_mean']:.3f}", tok_s=f"{metrics['perf/tokens_per_s']:.0f}")
-                if cfg.logging.every and step % cfg.logging.every == 0:
-                    bar.write(summary_line(step, t.steps, metrics, env.num_agents, t.num_turns), file=sys.stderr)
-            stopping = world.any(stop.signal is not None)  # a signal that reached any rank stops them all here
-            every = cfg.checkpoint.every
-            if (every and step % every == 0) or step == t.steps or stopping:
-                save_checkpoint(step)
-            if stopping:
-                if world.is_main:
-                    name = stop.signal.name if stop.signal else "a signal to another process"
-                    print(f"\nmagrpo: stopped by {name} after step {step}; checkpoint written, continue "
-                          f"with resume=auto logging.run_dir={run_dir}", file=sys.stderr)
-                return run_dir
-        if world.is_main:
-            _save(agents, run_dir / "adapters")
-            writer.log_adapters(run_dir / "adapters")
-    except Exception as e:
-        log = log_traceback(run_dir, e) if world.is_main else None  # the console gets one line (cli.py)
-        if log is not None:
-            e.add_note(f"traceback in {log}")
-        raise
-    finally:
-        stop.restore()
-        bar.close()
-        writer.close()
-        backend.close()
-    if world.is_main:
-        print(f"magrpo: done; adapters in {run_dir / 'adapters'}", file=sys.stderr)
-    return run_dir
+    def announce_stop(self, step: int) -> None:
+        if self.world.is_main:
+            name = self.stop.signal.name if self.stop.signal else "a signal to another process"
+            print(f"\nmagrpo: stopped by {name} after step {step}; checkpoint written, continue "
+                  f"with resume=auto logging.run_dir={self.dir}", file=sys.stderr)
+
+    def save_adapters(self) -> None:
+        if self.world.is_main:
+            for agent in self.agents:
+                agent.save(self.dir / "adapters")
+            self.writer.log_adapters(self.dir / "adapters")
 
 
 def _samples_of(rollout: Rollout, agent: int) -> list[TrainSample]:
@@ -289,10 +328,11 @@ def _whole_batch_metrics(parts: list[dict], agent_stats: list[dict], num_turns: 
     whole = merge_rollouts([part["rollout"] for part in parts])  # nodes keep the advantages their rank gave them
     metrics = _metrics(whole, agent_stats, num_turns)
     metrics["train/reward_errors"] = whole.reward_errors
+    totals = reduce_over_ranks([{"tokens": part["tokens"], "mem": part["mem"]} for part in parts])
     metrics.update({
-        "perf/tokens_per_s": sum(part["tokens"] for part in parts) / max(whole.timings["gen_s"], 1e-9),
+        "perf/tokens_per_s": totals["tokens"] / max(whole.timings["gen_s"], 1e-9),
         **{f"perf/{k}": v for k, v in whole.timings.items()},
-        "perf/peak_mem_gb": max(part["mem"] for part in parts),  # the fullest process
+        "perf/peak_mem_gb": totals["mem"],  # the fullest process
     })
     return whole, metrics
 
@@ -327,46 +367,6 @@ def _metrics(rollout: Rollout, agent_stats: list[dict], num_turns: int) -> dict[
     return out
 
 
-def _save(agents, folder: Path) -> None:
-    for agent in agents:
-        agent.save(folder)
-
-
-def _halve(cell: list[int]) -> int:
-    cell[0] = max(1, cell[0] // 2)
-    return cell[0]
-
-
-def is_out_of_memory(error: BaseException) -> bool:
-    return isinstance(error, torch.OutOfMemoryError) or "can't allocate memory" in str(error)
-
-
-def oom_retry(run, shrink, setting: str):
-    """run(); on out-of-memory, shrink() (halves `setting`, returns the new size) and run once more.
-    A second out-of-memory (or a first one with nothing to shrink) stops training with a line naming
-    the setting; the last checkpoint stays."""
-    try:
-        return run()
-    except RuntimeError as e:
-        if not is_out_of_memory(e):
-            raise
-        if shrink is None:
-            raise TrainingError(f"out of memory; lower {setting}; the last checkpoint is intact") from None
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    size = shrink()
-    from tqdm import tqdm  # a warning even in quiet mode; tqdm.write keeps a progress bar intact
-
-    tqdm.write(f"magrpo: out of memory; retrying with {setting}={size} (kept for the rest of the run)", file=sys.stderr)
-    try:
-        return run()
-    except RuntimeError as e:
-        if not is_out_of_memory(e):
-            raise
-        raise TrainingError(f"out of memory again with {setting}={size}; lower {setting} (or the batch size, "
-                            f"K, max_new_tokens); the last checkpoint is intact") from None
-
-
 def backend_device(agents) -> torch.device:
     return next(agents[0].model.parameters()).device
 
@@ -378,55 +378,3 @@ def peak_memory_gb(device: torch.device) -> float:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
-
-
-def summary_line(step: int, steps: int, m: dict[str, float], num_agents: int, num_turns: int) -> str:
-    """The compact console line: rewards per turn, loss per agent, speed, eval when it ran."""
-    turns = " ".join(f"t{t} {m[f'train/turn_{t}/reward_mean']:.3f}" for t in range(num_turns)
-                     if f"train/turn_{t}/reward_mean" in m)
-    losses = " ".join(f"a{a} {m[f'train/agent_{a}/loss']:+.3g}" for a in range(num_agents))
-    line = (f"step {step}/{steps} | reward {m['train/reward_mean']:.3f} ({turns}) | loss {losses} | "
-            f"{m['perf/tokens_per_s']:.0f} tok/s | {m['perf/step_s']:.1f} s/step")
-    last = f"eval/turn_{num_turns - 1}/pass@1_greedy"
-    return line + (f" | eval pass@1 {m[last]:.3f}" if last in m else "")
-
-
-class _NoBar:
-    def write(self, s, file=None): ...
-    def update(self, n): ...
-    def set_postfix(self, **kw): ...
-    def close(self): ...
-
-
-def _progress(total: int, enabled: bool, initial: int = 0):
-    if not enabled:
-        return _NoBar()
-    from tqdm import tqdm
-
-    return tqdm(total=total, initial=initial, desc="magrpo", unit="step", dynamic_ncols=True)
-
-
-class _StopSignals:
-    """SIGTERM/SIGINT end the run after the current step, with a checkpoint (a second one stops now)."""
-
-    def __init__(self):
-        self.signal: signal.Signals | None = None
-        self.since = 0.0
-        self.previous = {}
-        if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                self.previous[sig] = signal.signal(sig, self._handle)
-
-    REPEAT_S = 2.0  # Ctrl-C under torchrun arrives twice at once: from the terminal and forwarded by torchrun
-
-    def _handle(self, signum, frame) -> None:
-        if self.signal is not None:
-            if time.monotonic() - self.since < self.REPEAT_S:
-                return
-            raise KeyboardInterrupt
-        self.signal, self.since = signal.Signals(signum), time.monotonic()
-        print(f"\nmagrpo: {self.signal.name}: finishing this step, then writing a checkpoint", file=sys.stderr)
-
-    def restore(self) -> None:
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)

@@ -78,12 +78,12 @@ def pack(samples: list[TrainSample], pad_id: int) -> PackedBatch:
     )
 
 
-def forward_logprobs(model: torch.nn.Module, batch: PackedBatch, entropy: list | None = None,
-                     temperature: float = 1.0) -> torch.Tensor:
+def forward_logprobs(model: torch.nn.Module, batch: PackedBatch, temperature: float = 1.0,
+                     with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(R, C) log p(completion token t | prompt, tokens < t) under the sampling temperature (logits /
     temperature, as the tokens were drawn; TRL and verl score the same way); read with
     batch.target_mask. Logits are computed for completion positions only: long prompts cost no
-    lm_head work. `entropy`, when given, receives the (R, C) policy entropy per position (no gradient)."""
+    lm_head work. With `with_entropy`, also the (R, C) policy entropy per position (no gradient)."""
     out = model(input_ids=batch.prompt_ids, attention_mask=batch.prompt_mask,
                 position_ids=(batch.prompt_mask.cumsum(-1) - 1).clamp(min=0), use_cache=True, logits_to_keep=1)
     logits = out.logits[batch.expand]  # (R, 1, V): predicts completion token 0
@@ -95,9 +95,8 @@ def forward_logprobs(model: torch.nn.Module, batch: PackedBatch, entropy: list |
         logits = torch.cat([logits, rest], dim=1)
     if temperature != 1.0:
         logits = logits.float() / temperature
-    if entropy is not None:
-        entropy.append(token_entropy(logits.detach()))
-    return gather_logprobs(logits, batch.targets)
+    entropy = token_entropy(logits.detach()) if with_entropy else None
+    return gather_logprobs(logits, batch.targets), entropy
 
 
 def micro_batches(samples: list[TrainSample], rows: list[int], size: int) -> list[list[int]]:
@@ -117,23 +116,26 @@ def micro_batches(samples: list[TrainSample], rows: list[int], size: int) -> lis
     return batches + ([current] if current else [])
 
 
-def importance_weights(logp: torch.Tensor, samples: list[TrainSample], mask: torch.Tensor, tis_cap: float,
-                        totals: dict[str, float]) -> torch.Tensor | None:
+MISMATCH_KEYS = ("tokens", "abs_sum", "weight_sum", "capped")
+
+
+def importance_weights(logp: torch.Tensor, samples: list[TrainSample], mask: torch.Tensor,
+                       tis_cap: float) -> tuple[torch.Tensor | None, dict[str, float]]:
     """Per-token p_trainer / p_sampler (R, C), capped at tis_cap (truncated importance sampling,
-    Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL training");
-    None when tis_cap is 0. Accumulates the mismatch statistics into `totals` either way."""
+    Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL training"), or
+    None when tis_cap is 0; and the sampler/trainer mismatch sums (MISMATCH_KEYS; empty when the
+    backend returned no log-probs)."""
     behaviour = sampler_logprobs(samples, logp)
     if behaviour is None:
-        return None
+        return None, {}
     maskf = mask.float()
     weight = torch.exp(logp - behaviour)
-    totals["tokens"] += float(maskf.sum())
-    totals["abs_sum"] += float(((logp - behaviour).abs() * maskf).sum())
-    totals["weight_sum"] += float((weight * maskf).sum())
+    stats = {"tokens": float(maskf.sum()), "abs_sum": float(((logp - behaviour).abs() * maskf).sum()),
+             "weight_sum": float((weight * maskf).sum()), "capped": 0.0}
     if tis_cap <= 0:
-        return None
-    totals["capped"] += float(((weight > tis_cap).float() * maskf).sum())
-    return weight.clamp(max=tis_cap)
+        return None, stats
+    stats["capped"] = float(((weight > tis_cap).float() * maskf).sum())
+    return weight.clamp(max=tis_cap), stats
 
 
 def lora_train_mode(model: torch.nn.Module) -> None:
@@ -150,6 +152,26 @@ def trained_rows(samples: list[TrainSample], kl_coef: float) -> list[int]:
     return [i for i, s in enumerate(samples) if s.advantage != 0.0 or kl_coef > 0]
 
 
+@dataclass(frozen=True)
+class UpdateSettings:
+    """How each agent's update turns its samples into a step (trainer.* and generation.* keys)."""
+
+    loss_agg: str = "token_mean"
+    max_new_tokens: int = 32
+    ppo_epochs: int = 1
+    clip_eps: float = 0.2
+    kl_coef: float = 0.0
+    max_grad_norm: float = 1.0
+    tis_cap: float = 0.0
+    temperature: float = 1.0  # the sampling temperature: log-probs are scored under it
+
+    @classmethod
+    def of(cls, cfg) -> "UpdateSettings":
+        t = cfg.trainer
+        return cls(t.loss_agg, cfg.generation.max_new_tokens, t.ppo_epochs, t.clip_eps, t.kl_coef, t.max_grad_norm,
+                   t.tis_cap, cfg.generation.temperature)
+
+
 class AgentUpdater:
     """Owns one agent's optimizer and learning-rate schedule."""
 
@@ -162,33 +184,20 @@ class AgentUpdater:
         warm = max(1, warmup_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warm))
 
-    def step(
-        self,
-        samples: list[TrainSample],
-        *,
-        loss_agg: str,
-        max_new_tokens: int,
-        micro_batch_size: int,
-        ppo_epochs: int,
-        clip_eps: float,
-        kl_coef: float,
-        max_grad_norm: float,
-        tis_cap: float = 0.0,
-        temperature: float = 1.0,
-        world: World = World(),
-        counts: tuple[float, float, float] | None = None,
-    ) -> dict[str, float]:
+    def step(self, samples: list[TrainSample], settings: UpdateSettings, micro_batch_size: int,
+             world: World = World(), counts: tuple[float, float, float] | None = None) -> dict[str, float]:
         """One optimizer step on this agent's samples (with data parallelism: this rank's share; the
         loss is normalised over all ranks' samples and the gradients summed, so every rank takes the
         step the whole batch gives). `counts`: `batch_counts` of the same samples, when the caller
         took them already (a retry after an out-of-memory must not repeat that collective). Returns
         the step's numbers over all ranks."""
+        s = settings
         model, agent = self.agent.model, self.agent
         device = next(model.parameters()).device
         lengths = torch.tensor([len(s.completion_ids) for s in samples], dtype=torch.long)
-        keep = trained_rows(samples, kl_coef)
-        num_sequences, num_tokens, num_kept = counts or self.batch_counts(samples, kl_coef, world)
-        weights = sequence_weights(loss_agg, lengths, max_new_tokens, int(num_sequences), int(num_tokens))
+        keep = trained_rows(samples, s.kl_coef)
+        num_sequences, num_tokens, num_kept = counts or self.batch_counts(samples, s.kl_coef, world)
+        weights = sequence_weights(s.loss_agg, lengths, s.max_new_tokens, int(num_sequences), int(num_tokens))
         batches = micro_batches(samples, keep, micro_batch_size)
         model.set_adapter(agent.adapter)  # also makes only this adapter trainable
         lora_train_mode(model)
@@ -196,31 +205,33 @@ class AgentUpdater:
         ref_logps: list[torch.Tensor | None] = []
         is_weights: list[torch.Tensor | None] = []
         totals = {"loss": 0.0, "clipped_tokens": 0.0, "kl_sum": 0.0, "entropy_sum": 0.0}
-        mismatch = {"tokens": 0.0, "abs_sum": 0.0, "weight_sum": 0.0, "capped": 0.0}
+        mismatch = dict.fromkeys(MISMATCH_KEYS, 0.0)
         grad_norm = 0.0
         skipped = 0
-        for epoch in range(ppo_epochs):
+        for epoch in range(s.ppo_epochs):
             self.optimizer.zero_grad(set_to_none=True)
             for b, rows in enumerate(batches):
                 batch = pack([samples[i] for i in rows], agent.tokenizer.pad_token_id).to(device)
                 adv = torch.tensor([samples[i].advantage for i in rows], dtype=torch.float32, device=device)
-                entropy: list[torch.Tensor] = []
-                logp = forward_logprobs(model, batch, entropy if epoch == 0 else None, temperature)
+                logp, entropy = forward_logprobs(model, batch, s.temperature, with_entropy=epoch == 0)
                 if epoch == 0:  # parameters have not moved yet: these are the behaviour log-probs
-                    totals["entropy_sum"] += float((entropy[0] * batch.target_mask).sum())
+                    totals["entropy_sum"] += float((entropy * batch.target_mask).sum())
                     old_logps.append(logp.detach())
-                    ref_logps.append(self._reference_logprobs(batch, temperature) if kl_coef > 0 else None)
-                    is_weights.append(importance_weights(logp.detach(), [samples[i] for i in rows], batch.target_mask,
-                                                          tis_cap, mismatch))
+                    ref_logps.append(self._reference_logprobs(batch, s.temperature) if s.kl_coef > 0 else None)
+                    weight, seen = importance_weights(logp.detach(), [samples[i] for i in rows], batch.target_mask,
+                                                      s.tis_cap)
+                    is_weights.append(weight)
+                    for key, value in seen.items():
+                        mismatch[key] += value
                 loss, stats = policy_loss(logp, old_logps[b], adv, batch.target_mask, weights[rows].to(device),
-                                          clip_eps, ref_logps[b], kl_coef, is_weights[b])
+                                          s.clip_eps, ref_logps[b], s.kl_coef, is_weights[b])
                 loss.backward()
-                if epoch == ppo_epochs - 1:
+                if epoch == s.ppo_epochs - 1:
                     for key in ("loss", "clipped_tokens", "kl_sum"):
                         totals[key] += float(stats.get(key, 0.0))
             if world.size > 1 and num_kept:  # no rank trained a row: no gradient anywhere, as in one process
                 self._sum_gradients(world)
-            clip = max_grad_norm if max_grad_norm > 0 else float("inf")
+            clip = s.max_grad_norm if s.max_grad_norm > 0 else float("inf")
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, clip))
             if not math.isfinite(grad_norm):  # a NaN/inf loss or gradient: keep the weights, count it
                 self.optimizer.zero_grad(set_to_none=True)
@@ -248,7 +259,7 @@ class AgentUpdater:
         if mismatch["tokens"]:  # the backend returned log-probs: how far its sampler is from the trainer
             out["logp_mismatch"] = mismatch["abs_sum"] / mismatch["tokens"]
             out["is_weight_mean"] = mismatch["weight_sum"] / mismatch["tokens"]
-            if tis_cap > 0:
+            if s.tis_cap > 0:
                 out["tis_clip_frac"] = mismatch["capped"] / mismatch["tokens"]
         return out
 
@@ -270,4 +281,4 @@ class AgentUpdater:
     def _reference_logprobs(self, batch: PackedBatch, temperature: float) -> torch.Tensor:
         """The reference policy is the base model: the same weights with the adapter switched off."""
         with self.agent.model.disable_adapter():
-            return forward_logprobs(self.agent.model, batch, temperature=temperature)
+            return forward_logprobs(self.agent.model, batch, temperature)[0]

@@ -91,7 +91,7 @@ def test_sampling_logprobs_match_the_trainers_recomputed_logprobs(agents, temper
         samples = [TrainSample(c.prompt_ids, c.token_ids, 0.0) for c in completions]
         batch = pack(samples, agents[0].tokenizer.pad_token_id)
         with torch.no_grad():
-            logp = forward_logprobs(model, batch, temperature=temperature)
+            logp, _ = forward_logprobs(model, batch, temperature)
         for row, c in enumerate(completions):
             torch.testing.assert_close(logp[row][batch.target_mask[row]], torch.tensor(c.logprobs), atol=2e-4, rtol=1e-4)
 

@@ -133,9 +133,9 @@ def test_a_signal_finishes_the_step_and_a_later_second_one_stops_at_once():
     import signal
     import time
 
-    from magrpo.trainer import _StopSignals
+    from magrpo.console import StopSignals
 
-    stop = _StopSignals()
+    stop = StopSignals()
     try:
         os.kill(os.getpid(), signal.SIGINT)
         assert stop.signal is signal.SIGINT

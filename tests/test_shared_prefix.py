@@ -57,7 +57,7 @@ def lora_grads(model):
 def test_packed_logprobs_and_gradients_equal_row_by_row(model):
     batch = pack(SAMPLES, PAD)
     model.zero_grad()
-    logp = forward_logprobs(model, batch)
+    logp, _ = forward_logprobs(model, batch)
     weights = torch.tensor([s.advantage for s in SAMPLES])[:, None]
     (logp * batch.target_mask * weights).sum().backward()
     packed = lora_grads(model)
@@ -79,7 +79,7 @@ def test_packed_logprobs_and_gradients_equal_row_by_row(model):
 def test_single_token_completions_need_no_second_forward(model):
     batch = pack([TrainSample(P1, [3], 1.0), TrainSample(P1, [4], 1.0)], PAD)
     assert batch.inputs.shape == (2, 0)
-    logp = forward_logprobs(model, batch)
+    logp, _ = forward_logprobs(model, batch)
     torch.testing.assert_close(logp[:, 0], torch.stack([reference_logprobs(model, TrainSample(P1, [t], 0))[0]
                                                         for t in (3, 4)]), atol=1e-5, rtol=1e-5)
 

@@ -23,8 +23,7 @@ def test_sampler_logprobs_align_with_targets_and_need_every_row():
 
 def testimportance_weights_by_hand():
     # p_trainer / p_sampler per token: [0.5/0.25, 0.2/0.2] = [2, 1]; [0.9/0.3] = [3] (padding ignored)
-    totals = {"tokens": 0.0, "abs_sum": 0.0, "weight_sum": 0.0, "capped": 0.0}
-    weights = importance_weights(TRAINER, SAMPLES, MASK, 2.5, totals)
+    weights, totals = importance_weights(TRAINER, SAMPLES, MASK, 2.5)
     torch.testing.assert_close(weights[MASK], torch.tensor([2.0, 1.0, 2.5]))  # 3 capped at 2.5
     assert totals["tokens"] == 3 and totals["capped"] == 1
     assert math.isclose(totals["weight_sum"], 6.0, rel_tol=1e-5)  # metrics use the uncapped weights
@@ -32,9 +31,8 @@ def testimportance_weights_by_hand():
 
 
 def test_no_cap_no_weights_but_metrics_still_counted():
-    totals = {"tokens": 0.0, "abs_sum": 0.0, "weight_sum": 0.0, "capped": 0.0}
-    assert importance_weights(TRAINER, SAMPLES, MASK, 0.0, totals) is None
-    assert totals["tokens"] == 3
+    weights, totals = importance_weights(TRAINER, SAMPLES, MASK, 0.0)
+    assert weights is None and totals["tokens"] == 3
 
 
 def test_is_weights_scale_the_policy_gradient_term_only():

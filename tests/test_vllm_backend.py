@@ -20,7 +20,7 @@ from magrpo.hf_backend import HFBackend  # noqa: E402
 from magrpo.models import load_agents  # noqa: E402
 from magrpo.rollout import TreeSettings, expand_trees  # noqa: E402
 from magrpo.tiny import TinySpec, tiny_model_path  # noqa: E402
-from magrpo.update import AgentUpdater, TrainSample, forward_logprobs, pack  # noqa: E402
+from magrpo.update import AgentUpdater, TrainSample, UpdateSettings, forward_logprobs, pack  # noqa: E402
 from magrpo.errors import SyncError  # noqa: E402
 
 PROMPTS = ["x", "def add(a, b):\n    return a + b\n", "import os"]  # different lengths: left padding in HF
@@ -65,7 +65,7 @@ def test_sampled_logprobs_match_the_trainers_recomputed_logprobs(setup):
         model.set_adapter(agents[req.agent].adapter)
         batch = pack([TrainSample(c.prompt_ids, c.token_ids, 0.0) for c in completions], agents[0].tokenizer.pad_token_id)
         with torch.no_grad():
-            logp = forward_logprobs(model, batch)
+            logp, _ = forward_logprobs(model, batch)
         for row, c in enumerate(completions):
             torch.testing.assert_close(torch.tensor(c.logprobs), logp[row][batch.target_mask[row]], atol=1e-3, rtol=1e-3)
 
@@ -104,8 +104,7 @@ def optimizer_step(agent, backend, lr=0.05):
     """One real AgentUpdater step on the agent's own samples, with alternating advantages."""
     out = backend.generate([GenerationRequest(p, agent.index, 2) for p in PROMPTS], SamplingParams(max_new_tokens=6))
     samples = [TrainSample(c.prompt_ids, c.token_ids, 1.0 if k == 0 else -1.0) for cs in out for k, c in enumerate(cs)]
-    AgentUpdater(agent, lr, 0.0, 0).step(samples, loss_agg="token_mean", max_new_tokens=6, micro_batch_size=32,
-                                         ppo_epochs=1, clip_eps=0.2, kl_coef=0.0, max_grad_norm=0.0)
+    AgentUpdater(agent, lr, 0.0, 0).step(samples, UpdateSettings(max_new_tokens=6, max_grad_norm=0.0), micro_batch_size=32)
 
 
 def test_after_an_optimizer_step_and_a_sync_the_engine_serves_the_new_adapter(setup):
