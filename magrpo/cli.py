@@ -22,7 +22,7 @@ USAGE = """usage: python train.py [key=value ...] [group=option ...] [--cfg] [--
   group=option   pick a config file from configs/<group>/, e.g. external=plain model=hf
   --cfg          print the composed config and exit
 Groups: {groups}
-All keys and their meaning: README.md (Configuration) and magrpo/config.py."""
+All keys and their meaning: docs/configuration.md and magrpo/config.py."""
 
 
 def register_schema() -> None:

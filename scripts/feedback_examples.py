@@ -1,5 +1,5 @@
-"""Print the README's example prompt of every built-in code-env feedback mode, built by the modes
-themselves (tests/test_docs.py checks the README still shows exactly these).
+"""Print the example prompt of every built-in code-env feedback mode, built by the modes
+themselves (tests/test_docs.py checks docs/feedback.md still shows exactly these).
 
     python scripts/feedback_examples.py
 """
