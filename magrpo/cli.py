@@ -15,7 +15,9 @@ from typing import Sequence
 
 from .config import ConfigError, TrainConfig
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+# Installed, the YAML files ship inside the package (pyproject.toml); in a checkout they sit at its top.
+_HERE = Path(__file__).resolve().parent
+CONFIG_DIR = _HERE / "configs" if (_HERE / "configs").is_dir() else _HERE.parent / "configs"
 USAGE = """usage: python train.py [key=value ...] [group=option ...] [--cfg] [--help]
 
   key=value      override any config key, e.g. trainer.num_turns=3 trainer.joint_mode=cross
@@ -123,8 +125,7 @@ def main(argv: Sequence[str]) -> int:
     # peft calls a deprecated transformers property on every model load: noise for our users.
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
     # Registries are filled by importing the built-in envs and feedback modes.
-    import envs  # noqa: F401
-    import external  # noqa: F401
+    from . import envs, external  # noqa: F401
 
     from .trainer import prepare, train
 
@@ -159,7 +160,7 @@ def report(kind: str, error: BaseException, code: int, text: str | None = None) 
     if os.environ.get(DEBUG_VAR, "") not in ("", "0"):
         traceback.print_exception(error, file=sys.stderr)
     # Our own errors (FeedbackError, RewardError, SyncError, ...) are written as one line for the user.
-    ours = type(error).__module__.partition(".")[0] in ("magrpo", "envs", "external")
+    ours = type(error).__module__.partition(".")[0] == "magrpo"  # magrpo.envs and magrpo.external too
     line = text or (" ".join(str(error).split()) if ours else f"unexpected {describe(error)}")
     where = [n for n in getattr(error, "__notes__", []) if n.startswith("traceback in ")]
     hint = f" ({where[0]}; {DEBUG_VAR}=1 prints it)" if where else (f" ({DEBUG_VAR}=1 prints the traceback)" if code == 1 else "")
