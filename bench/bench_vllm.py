@@ -92,7 +92,8 @@ def main() -> None:
     import magrpo.external  # noqa: F401  (fills the feedback registry)
     from magrpo.cli import compose
     from magrpo.feedback import Feedback
-    from magrpo.generation import SamplingParams, make_backend
+    from magrpo.backends import make_backend
+    from magrpo.generation import SamplingParams
     from magrpo.models import load_agents
     from magrpo.rollout import TreeSettings, expand_trees
     from magrpo.envs.code.env import CodeEnv

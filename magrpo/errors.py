@@ -1,5 +1,10 @@
-"""Errors raised by user code (an env's methods, a feedback function) as one line that names the
-function, and the full traceback kept in the run dir (`error.log`) rather than on the console."""
+"""magrpo's error family, and how errors reach the user.
+
+Every error magrpo raises on purpose is a `MagrpoError`: the CLI prints it as one line and exits
+with 2 (`ConfigError`: bad input, fix a setting) or 1 (anything else: training could not go on).
+Errors raised by user code (an env's methods, a feedback function) become one line that names the
+function, with the full traceback kept in the run dir (`error.log`) rather than on the console.
+This module imports nothing from magrpo: every other module may import it."""
 from __future__ import annotations
 
 import time
@@ -9,6 +14,46 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 ERROR_LOG = "error.log"
+
+
+class MagrpoError(Exception):
+    """Base of every error magrpo raises on purpose; its message is one line for the user."""
+
+    exit_code = 1
+
+
+class ConfigError(MagrpoError, ValueError):
+    """A bad setting: rendered as one line `config error: <key>: <message>`, exit code 2."""
+
+    exit_code = 2
+
+    def __init__(self, key: str, message: str):
+        super().__init__(f"{key}: {message}")
+        self.key = key
+
+
+class TrainingError(MagrpoError, RuntimeError):
+    """Training cannot go on (NaN/inf steps in a row, out of memory twice); the last checkpoint is intact."""
+
+
+class EnvError(MagrpoError, RuntimeError):
+    """An env method raised (the message names the method)."""
+
+
+class RewardError(MagrpoError, RuntimeError):
+    """The env raised or returned a non-finite reward for a joint action."""
+
+
+class FeedbackError(MagrpoError, TypeError):
+    """A feedback function broke its contract or raised."""
+
+
+class SyncError(MagrpoError, RuntimeError):
+    """The engine would generate (or generated) with adapter weights other than the trainer's."""
+
+
+class FetchError(MagrpoError, RuntimeError):
+    """A model could not be fetched or converted (the message says how to get it otherwise)."""
 
 
 def qualified_name(fn: Any) -> str:
@@ -29,8 +74,6 @@ def describe(error: BaseException) -> str:
 def user_code(error: Callable[[Exception], Exception], keep: tuple[type[Exception], ...] = ()) -> Iterator[None]:
     """Run user code: any exception becomes error(exception), raised from it (the traceback stays for
     error.log). A ConfigError (bad input the code found) and the `keep` types pass unchanged."""
-    from .config import ConfigError
-
     try:
         yield
     except (ConfigError, *keep):

@@ -19,14 +19,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from .errors import describe, qualified_name, user_code
+from .errors import ConfigError, FeedbackError, describe, qualified_name, user_code
 from .registry import Registry
 
 FeedbackFn = Callable[..., Sequence[str]]
-
-
-class FeedbackError(TypeError):
-    """A feedback function broke its contract (reported as one line by the CLI)."""
 
 
 @dataclass
@@ -66,8 +62,6 @@ FEEDBACK: Registry[FeedbackFn | type[FeedbackMode]] = Registry("feedback mode")
 def resolve_feedback(mode: str) -> FeedbackFn | type[FeedbackMode]:
     """A registered name, or `package.module:name` for a user's own function (a module attribute, or
     a name the module registers with `@FEEDBACK.register` when imported)."""
-    from .config import ConfigError
-
     if ":" not in mode:
         if mode not in FEEDBACK:
             raise ConfigError(
@@ -159,8 +153,6 @@ class Feedback:
 
     def check(self) -> None:
         """Start-up: the env provides the context the mode reads; the mode's own checks."""
-        from .config import ConfigError
-
         needed = getattr(self.mode if self.mode is not None else self.fn, "requires_context", frozenset())
         missing = sorted(set(needed) - set(getattr(self.env, "context_keys", ())))
         if missing:

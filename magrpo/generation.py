@@ -9,14 +9,9 @@ own sampler ignores it (seeded runs there are not bit-reproducible).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Protocol, Sequence
+from typing import Protocol, Sequence
 
-from .registry import Registry
 from .tree import Completion
-
-if TYPE_CHECKING:
-    from .config import TrainConfig
-    from .models import Agent
 
 
 @dataclass(frozen=True)
@@ -61,28 +56,6 @@ class GenerationBackend(Protocol):
     def close(self) -> None:
         """Release engines and their processes (end of the run)."""
         ...
-
-
-# name -> factory(cfg, agents). Factories import their backend module on use: vllm is optional.
-BACKENDS: Registry[Callable[["TrainConfig", "list[Agent]"], GenerationBackend]] = Registry("backend")
-
-
-@BACKENDS.register("hf")
-def _hf(cfg: "TrainConfig", agents: "list[Agent]") -> GenerationBackend:
-    from .hf_backend import HFBackend
-
-    return HFBackend(agents, cfg.generation.max_batch_rows)
-
-
-@BACKENDS.register("vllm")
-def _vllm(cfg: "TrainConfig", agents: "list[Agent]") -> GenerationBackend:
-    from .vllm_backend import VLLMBackend
-
-    return VLLMBackend(agents, cfg)
-
-
-def make_backend(cfg: "TrainConfig", agents: "list[Agent]") -> GenerationBackend:
-    return BACKENDS.get(cfg.backend)(cfg, agents)
 
 
 def encode_requests(agents: Sequence, requests: Sequence[GenerationRequest], ids: Sequence[int]) -> dict[int, list[int]]:

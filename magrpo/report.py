@@ -20,14 +20,18 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure  # no pyplot: no global backend or display, Agg renders savefig
 from matplotlib.ticker import MaxNLocator
 
+from .errors import MagrpoError
+
 Records = list[dict[str, Any]]
 DPI = 120
 AGENT_STATS = ("loss", "kl", "grad_norm", "clip_frac", "entropy", "completion_len")
 PHASES = ("gen", "reward", "feedback", "update", "other", "eval")  # "other": step time outside the four
 
 
-class ReportError(Exception):
+class ReportError(MagrpoError):
     """Bad input (no run dir, no metrics); the CLI prints it as one line and exits with 2."""
+
+    exit_code = 2
 
 
 def load_metrics(run_dir: Path | str) -> Records:

@@ -10,7 +10,7 @@ import numpy as np
 
 from .advantage import agent_credit, group_advantages, tree_returns
 from .env import Environment, Scored, call_env
-from .errors import describe, qualified_name
+from .errors import RewardError, describe, qualified_name
 from .feedback import Branch
 from .generation import GenerationBackend, GenerationRequest, SamplingParams
 from .sampling import stream_key
@@ -28,10 +28,6 @@ class TreeSettings:
 
 
 EXPAND_DRAWS = 0x45585044  # a stream domain of its own for random:M (never a sampling stream's key)
-
-
-class RewardError(RuntimeError):
-    """The env raised or returned a non-finite reward (reported as one line by the CLI)."""
 
 
 def score_guarded(env: Environment, owners: list, texts: list, on_error: str, turn: int) -> tuple[list[Scored], list[bool]]:

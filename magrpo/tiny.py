@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from .paths import cache_root
+
 # Bump when the build recipe changes, so old cached folders are not reused.
 FORMAT_VERSION = 1
 # ~4 MB of stdlib source trains a 4096-token BPE in ~1 s (2 cores); ~3.7 chars/token on unseen stdlib code.
@@ -49,13 +51,6 @@ class TinySpec:
     # init_std * hidden_size, and at 0.02 (2.6) no token, EOS included, can ever become likely.
     init_std: float = 0.1
     seed: int = 0
-
-
-def cache_root(cache_dir: str | Path | None = None) -> Path:
-    """Where magrpo keeps built and converted models: cache_dir, else $MAGRPO_CACHE, else ~/.cache/magrpo."""
-    if cache_dir is None:
-        cache_dir = os.environ.get("MAGRPO_CACHE") or Path.home() / ".cache" / "magrpo"
-    return Path(cache_dir).expanduser()
 
 
 def _corpus_files() -> tuple[Path, list[Path]]:

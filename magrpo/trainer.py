@@ -13,18 +13,20 @@ import numpy as np
 import torch
 
 from . import checkpoint
-from .config import ConfigError, TrainConfig, check_finite, check_tree_size, step_size, validate
+from .backends import make_backend
+from .config import TrainConfig, check_finite
 from .distributed import World, reduce_counters, world_from_env
 from .env import Environment, call_env, make_env
-from .errors import log_traceback
+from .errors import ConfigError, TrainingError, log_traceback
 from .evaluation import evaluate
 from .feedback import Feedback
-from .generation import SamplingParams, make_backend
+from .generation import SamplingParams
 from .rollout import Rollout, TreeSettings, assign_advantages, expand_trees, merge_rollouts, portable
 from .run_io import NullWriter, RunWriter, make_run_dir, tree_records
 from .sampling import stream_key
 from .tree import count_leaves
 from .update import AgentUpdater, TrainSample
+from .validation import check_tree_size, step_size, validate
 
 
 def seed_everything(seed: int) -> None:
@@ -86,10 +88,6 @@ def _check_split(env: Environment, split: str) -> None:
         hint = "" if split == "train" else "; or turn evaluation off: eval.at_end=false (and eval.every=0, eval.at_start=false)"
         what = f"{value!r} selects no {split} problems" if value is not None else f"the {split} split has no problems"
         raise ConfigError(key, f"{what}; give a split with at least one{hint}")
-
-
-class TrainingError(RuntimeError):
-    """Training cannot go on (reported as one line by the CLI); the last checkpoint is intact."""
 
 
 # Domains of the sampling streams: training rollouts and evaluation paths never share a stream.

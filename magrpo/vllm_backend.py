@@ -21,22 +21,21 @@ import tempfile
 import typing
 from collections import defaultdict
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from .config import ConfigError, TrainConfig
+from .errors import ConfigError, SyncError
 from .generation import GenerationRequest, SamplingParams, encode_requests
 from .loss import token_logprobs
 from .models import Agent
 from .tree import Completion
 
+if TYPE_CHECKING:
+    from .config import TrainConfig
+
 # A fixed sequence whose log-probs the trainer and the engine must agree on after every sync.
 PROBE_TEXT = "def probe(values):\n    total = 0\n    for v in sorted(values):\n        total += v * 2\n    return total\n"
-
-
-class SyncError(RuntimeError):
-    """The engine would generate (or generated) with adapter weights other than the trainer's."""
 
 
 def lora_rank_for(r: int, allowed: Sequence[int]) -> int:

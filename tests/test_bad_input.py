@@ -132,7 +132,8 @@ def test_empty_eval_split_is_fine_when_evaluation_is_off(make_cfg):
 
 
 def test_problem_sampler_never_loops_on_no_problems():
-    from magrpo.trainer import ProblemSampler, TrainingError
+    from magrpo.errors import TrainingError
+    from magrpo.trainer import ProblemSampler
 
     with pytest.raises(TrainingError, match="no problems"):
         ProblemSampler([], seed=0).next(2)

@@ -169,7 +169,8 @@ def test_no_gloo_thread_outlives_a_finished_run(tmp_path):
 @pytest.mark.parametrize("overrides,key", [(["trainer.batch_size=2"], "trainer.batch_size"),
                                            (["trainer.batch_size=8", "backend=vllm"], "backend")])
 def test_torchrun_settings_that_cannot_work_are_one_line_errors(monkeypatch, overrides, key):
-    from magrpo.config import ConfigError, validate
+    from magrpo.errors import ConfigError
+    from magrpo.validation import validate
     from tests.conftest import compose
 
     monkeypatch.setenv("WORLD_SIZE", "4")

@@ -100,7 +100,7 @@ def documented_train_commands() -> list[tuple[str, list[str]]]:
 
 def test_documented_train_commands_compose():
     from magrpo.cli import compose
-    from magrpo.config import ConfigError
+    from magrpo.errors import ConfigError
 
     commands = documented_train_commands()
     assert len(commands) >= 10

@@ -266,7 +266,8 @@ def test_dead_server_costs_nothing_per_turn_once_the_breaker_is_open(server):
 @pytest.mark.parametrize("override,allowed", [("turn_deadline_s=0", "must be > 0"), ("breaker_failures=-1", "must be >= 0"),
                                               ("breaker_cooldown_s=-1", "must be >= 0.0")])
 def test_deadline_and_breaker_settings_are_checked(override, allowed):
-    from magrpo.config import ConfigError, validate
+    from magrpo.errors import ConfigError
+    from magrpo.validation import validate
     from tests.conftest import SMALL, compose
 
     with pytest.raises(ConfigError) as e:

@@ -11,8 +11,9 @@ import pytest
 import magrpo.update
 from magrpo.config import ExternalConfig
 from magrpo.feedback import Feedback
-from magrpo.rollout import RewardError, TreeSettings, expand_trees
-from magrpo.trainer import TrainingError, train
+from magrpo.errors import RewardError, TrainingError
+from magrpo.rollout import TreeSettings, expand_trees
+from magrpo.trainer import train
 from tests.test_tree_shape import PROBLEMS, SAMPLING, TEXT, FakeBackend, FakeEnv
 
 

@@ -9,7 +9,8 @@ import pytest
 import yaml
 
 from magrpo.cli import compose
-from magrpo.config import ConfigError, validate
+from magrpo.errors import ConfigError
+from magrpo.validation import validate
 from magrpo.port import Ported, main, port, render
 from tests.conftest import ROOT
 

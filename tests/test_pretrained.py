@@ -7,7 +7,8 @@ import json
 import pytest
 import torch
 
-from magrpo.pretrained import FetchError, offline_model_path
+from magrpo.errors import FetchError
+from magrpo.pretrained import offline_model_path
 
 
 @pytest.mark.slow

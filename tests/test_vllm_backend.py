@@ -14,13 +14,14 @@ import torch  # noqa: E402
 from magrpo.external.plain import plain  # noqa: E402
 from magrpo.config import ExternalConfig  # noqa: E402
 from magrpo.feedback import Feedback  # noqa: E402
-from magrpo.generation import GenerationRequest, SamplingParams, make_backend  # noqa: E402
+from magrpo.backends import make_backend  # noqa: E402
+from magrpo.generation import GenerationRequest, SamplingParams  # noqa: E402
 from magrpo.hf_backend import HFBackend  # noqa: E402
 from magrpo.models import load_agents  # noqa: E402
 from magrpo.rollout import TreeSettings, expand_trees  # noqa: E402
 from magrpo.tiny import TinySpec, tiny_model_path  # noqa: E402
 from magrpo.update import AgentUpdater, TrainSample, forward_logprobs, pack  # noqa: E402
-from magrpo.vllm_backend import SyncError  # noqa: E402
+from magrpo.errors import SyncError  # noqa: E402
 
 PROMPTS = ["x", "def add(a, b):\n    return a + b\n", "import os"]  # different lengths: left padding in HF
 

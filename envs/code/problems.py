@@ -45,6 +45,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
+from magrpo.errors import MagrpoError
+
 DATA_DIR = Path(__file__).resolve().parent / "data"
 FIELDS = ("task_id", "prompt", "test", "entry_point")
 
@@ -304,7 +306,7 @@ def split_indices(split: str, sizes: dict[str, int]) -> list[tuple[str, int]]:
 # Loading
 
 
-class DatasetError(ValueError):
+class DatasetError(MagrpoError, ValueError):
     """`env.dataset` cannot be read: a missing or malformed file, records without the needed fields;
     the message names the file (and line) in one line."""
 

@@ -7,7 +7,7 @@ import sqlite3
 import threading
 from pathlib import Path
 
-from magrpo.tiny import cache_root
+from magrpo.paths import cache_root
 
 from .errors import ExpertError
 

@@ -1,7 +1,7 @@
 """The one error type of the expert layer."""
 from __future__ import annotations
 
-from magrpo.config import ConfigError
+from magrpo.errors import ConfigError
 
 
 class ExpertError(ConfigError):

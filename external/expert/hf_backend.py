@@ -28,10 +28,11 @@ class HFExpert:
         if self._loaded is None:
             from transformers import AutoModelForCausalLM, AutoTokenizer
 
-            from magrpo.config import ConfigError, TrainConfig
+            from magrpo.errors import ConfigError
             from magrpo.models import resolve_model_path
 
-            path = resolve_model_path(self.model, TrainConfig())
+            # The expert is its own model: `tiny` here is the default tiny model, whatever model.* says.
+            path = resolve_model_path(self.model, "external.expert.model")
             try:
                 tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
                 model = AutoModelForCausalLM.from_pretrained(path).eval()
