@@ -111,6 +111,22 @@ def test_documented_train_commands_compose():
             pytest.fail(f"{where}: {e}")
 
 
+def test_documented_python_modules_exist():
+    import importlib.util
+
+    modules = set()
+    for path in [ROOT / "README.md", *DOCS]:
+        for block in re.findall(r"```bash\n(.*?)```", path.read_text(), re.S):
+            modules.update(re.findall(r"python -m ([\w.]+)", block))
+    assert {"magrpo.report", "magrpo.viz", "magrpo.port"} <= modules
+    for module in modules:
+        assert importlib.util.find_spec(module) is not None, f"python -m {module} is documented but does not exist"
+
+
+def test_readme_is_a_front_page():
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 200  # the reference lives in docs/
+
+
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 
 
