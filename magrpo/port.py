@@ -41,9 +41,10 @@ ALWAYS = [
 ]
 # MAGRPOConfig defaults (CoMLRL 1.4.3) that magrpo does not share: a file that leaves them out relies on them.
 COMLRL_DEFAULTS = {
-    "magrpo.early_termination_threshold": "CoMLRL's default is -0.2: a node whose mean reward is > -0.2 gets no "
-        "children, so with non-negative rewards turn 2 never runs; magrpo's default is null (never stop early)",
-    "magrpo.advantage_normalization": "CoMLRL's default is true (divide by the std); magrpo's is "
+    "magrpo.early_termination_threshold": "CoMLRL 1.4.3's default is -0.2 (unless the training script passes "
+        "its own): a node whose mean reward is > -0.2 gets no children, so with non-negative rewards turn 2 never "
+        "runs; magrpo's default is null (never stop early)",
+    "magrpo.advantage_normalization": "CoMLRL 1.4.3's default is true (divide by the std); magrpo's is "
         "trainer.advantage_scale=none",
 }
 # Keys magrpo has no counterpart for, with the reason.
