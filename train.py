@@ -1,4 +1,4 @@
-"""Train agents with MAGRPO-MT: `python train.py [key=value ...]` (see README.md)."""
+"""Train agents with MAGRPO-MT: `python train.py [key=value ...]` (see README.md and docs/)."""
 import sys
 
 from magrpo.cli import main

@@ -16,7 +16,7 @@ Fairness rules (what is held equal)
   Each agent's turn-0 prompt is `env.agent_prompts(problem)[i]` (comlrl: per-agent formatters
   returning exactly that, and returning comlrl's external prompt on later turns).
 - Reward: `env.rewards([problem], [[text_a, text_b]])[0]`, wrapped to comlrl's reward signature.
-- Between turns: `envs.length_ratio.length_ratio_feedback` for both (comlrl `external_transition`,
+- Between turns: `magrpo.envs.length_ratio.length_ratio_feedback` for both (comlrl `external_transition`,
   magrpo `external.mode=length_ratio`); it has comlrl's signature.
 - Tree: N=2 agents, K=4 generations, T=2 turns, 32 new tokens, no early termination (comlrl's
   default threshold -0.2 would silently skip turn 2 for these non-negative rewards, so it is set to
@@ -86,8 +86,8 @@ def seed_all(seed: int) -> None:
 # ---------------------------------------------------------------- magrpo
 
 def run_magrpo(mode: str, prompts: int, batch_size: int, turns: int, seed: int, quiet: bool) -> dict:
-    import envs  # noqa: F401  (registers the env)
-    import external  # noqa: F401  (registers the feedback modes)
+    import magrpo.envs  # noqa: F401  (registers the env)
+    import magrpo.external  # noqa: F401  (registers the feedback modes)
     import magrpo.models as models
     from magrpo.cli import compose
     from magrpo.trainer import train
@@ -176,7 +176,7 @@ def run_comlrl(mode: str, prompts: int, turns: int, seed: int) -> dict:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from envs.length_ratio import LengthRatioEnv, length_ratio_feedback
+    from magrpo.envs.length_ratio import LengthRatioEnv, length_ratio_feedback
     from magrpo.tiny import tiny_model_path
 
     env = LengthRatioEnv(LengthRatioEnv.Config())
@@ -347,8 +347,8 @@ def main(argv=None) -> int:
     for line in machine_facts(threads, default_threads):
         print("  " + line)
     print("  " + cpu_state())
-    import envs  # noqa: F401
-    import external  # noqa: F401
+    import magrpo.envs  # noqa: F401
+    import magrpo.external  # noqa: F401
     import transformers
     from magrpo.tiny import tiny_model_path
 

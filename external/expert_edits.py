@@ -127,7 +127,7 @@ class ExpertEdits(FeedbackMode):
             return
         if self.expert.name == "reference":
             print("magrpo: expert_edits uses the offline reference expert (no external.expert.base_url): its edits "
-                  "reveal the dataset's canonical solution when tests fail (README, 'expert_edits')", file=sys.stderr)
+                  "reveal the dataset's canonical solution when tests fail (docs/feedback.md, 'expert_edits')", file=sys.stderr)
         else:
             print(f"magrpo: expert_edits asks {self.expert.name} expert {self.expert.model!r}", file=sys.stderr)
 

@@ -16,14 +16,16 @@ from typing import Sequence
 from .config import TrainConfig
 from .errors import ConfigError, MagrpoError
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+# Installed, the YAML files ship inside the package (pyproject.toml); in a checkout they sit at its top.
+_HERE = Path(__file__).resolve().parent
+CONFIG_DIR = _HERE / "configs" if (_HERE / "configs").is_dir() else _HERE.parent / "configs"
 USAGE = """usage: python train.py [key=value ...] [group=option ...] [--cfg] [--help]
 
   key=value      override any config key, e.g. trainer.num_turns=3 trainer.joint_mode=cross
   group=option   pick a config file from configs/<group>/, e.g. external=plain model=hf
   --cfg          print the composed config and exit
 Groups: {groups}
-All keys and their meaning: README.md (Configuration) and magrpo/config.py."""
+All keys and their meaning: docs/configuration.md and magrpo/config.py."""
 
 
 def register_schema() -> None:
@@ -31,6 +33,7 @@ def register_schema() -> None:
     defaults (the env's defaults live once, in its Config; `env=other` replaces the whole node)."""
     from hydra.core.config_store import ConfigStore
 
+    from . import envs  # noqa: F401  (the built-in envs: their options exist whoever composes)
     from .env import ENVS
 
     store = ConfigStore.instance()
@@ -139,8 +142,7 @@ def main(argv: Sequence[str]) -> int:
     # peft calls a deprecated transformers property on every model load: noise for our users.
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
     # Registries are filled by importing the built-in envs and feedback modes.
-    import envs  # noqa: F401
-    import external  # noqa: F401
+    from . import envs, external  # noqa: F401
 
     from .trainer import prepare, train
 
@@ -176,7 +178,7 @@ def report(kind: str, error: BaseException, code: int, text: str | None = None) 
         traceback.print_exception(error, file=sys.stderr)
     # Our own errors (every MagrpoError, and the built-in envs' and feedback modes' own) are written as
     # one line for the user; anything else is unexpected and says its type.
-    ours = isinstance(error, MagrpoError) or type(error).__module__.partition(".")[0] in ("envs", "external")
+    ours = isinstance(error, MagrpoError) or type(error).__module__.startswith(("magrpo.envs.", "magrpo.external."))
     line = text or (" ".join(str(error).split()) if ours else f"unexpected {describe(error)}")
     where = [n for n in getattr(error, "__notes__", []) if n.startswith("traceback in ")]
     hint = f" ({where[0]}; {DEBUG_VAR}=1 prints it)" if where else (f" ({DEBUG_VAR}=1 prints the traceback)" if code == 1 else "")

@@ -10,6 +10,9 @@ from typing import Any, Optional, Sequence
 from .errors import ConfigError  # noqa: F401  (re-exported: envs and users import it from here)
 
 
+JOINT_MODE_ALIASES = {"aligned": "align"}  # CoMLRL 1.4.3 spells align "aligned"; "crossed" is not an alias (see docs/porting.md)
+
+
 @dataclass
 class ModelConfig:
     name: str = "tiny"
@@ -71,7 +74,7 @@ class TrainerConfig:
     num_turns: int = 2
     """T: turns per tree (1 = single-turn)."""
     joint_mode: str = "align"
-    """align: K joint actions (k-th sample of every agent); cross: all K^N combinations."""
+    """align: K joint actions (k-th sample of every agent); cross: all K^N combinations. `aligned` (CoMLRL's spelling) = align."""
     early_termination_threshold: Optional[float] = None
     """A joint action whose reward >= this gets no child; null = never stop early."""
     expand: str = "all"
@@ -112,6 +115,10 @@ class TrainerConfig:
     """Updates with a NaN/inf loss or gradient are skipped (and counted); stop after this many steps in a row."""
     dist_timeout_min: float = 60.0
     """torchrun only: minutes a process waits for the others at a collective (e.g. the slowest rank's rollout) before the run fails."""
+
+    def __post_init__(self):
+        # CoMLRL's default spelling; normalised here so config.json and resume checks see one name.
+        self.joint_mode = JOINT_MODE_ALIASES.get(self.joint_mode, self.joint_mode)
 
 
 @dataclass

@@ -78,7 +78,7 @@ def set_aside_logs(run_dir: Path) -> None:
 
 
 def tree_records(step: int, problems: Sequence[Mapping[str, Any]], nodes: list[Node]) -> list[dict]:
-    """One JSON record per tree; node ids are local to the tree (0 = root). Schema in README."""
+    """One JSON record per tree; node ids are local to the tree (0 = root). Schema in docs/outputs.md."""
     local: dict[int, int] = {}
     per_tree: dict[int, list[dict]] = {}
     for gid, node in enumerate(nodes):

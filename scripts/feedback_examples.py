@@ -1,5 +1,5 @@
-"""Print the README's example prompt of every built-in code-env feedback mode, built by the modes
-themselves (tests/test_docs.py checks the README still shows exactly these).
+"""Print the example prompt of every built-in code-env feedback mode, built by the modes
+themselves (tests/test_docs.py checks docs/feedback.md still shows exactly these).
 
     python scripts/feedback_examples.py
 """
@@ -12,8 +12,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import external  # noqa: E402,F401  (registers the modes)
-from envs.code.env import CodeEnv  # noqa: E402
+import magrpo.external  # noqa: E402,F401  (registers the modes)
+from magrpo.envs.code.env import CodeEnv  # noqa: E402
 from magrpo.config import ExternalConfig  # noqa: E402
 from magrpo.feedback import Branch, Feedback  # noqa: E402
 

@@ -10,8 +10,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # `tests.feedback_probe` and train.py's packages import from the root
     sys.path.insert(0, str(ROOT))
 
-import envs  # noqa: E402,F401  (fills the env registry)
-import external  # noqa: E402,F401  (fills the feedback registry)
+import magrpo.envs  # noqa: E402,F401  (fills the env registry)
+import magrpo.external  # noqa: E402,F401  (fills the feedback registry)
 from magrpo.cli import compose  # noqa: E402
 from tests.openai_server import server  # noqa: E402,F401  (fixture: an OpenAI-compatible HTTP server)
 
@@ -43,7 +43,7 @@ def make_cfg(tmp_path):
 @pytest.fixture(scope="module")
 def truncate_env():
     """The code env whose train split is HumanEval/2 (`truncate_number`, 3 test cases), shipped copy."""
-    from envs.code.env import CodeEnv
+    from magrpo.envs.code.env import CodeEnv
 
     mp = pytest.MonkeyPatch()
     mp.setenv("HF_HUB_OFFLINE", "1")  # the shipped copy, never the hub

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from envs.code.env import CodeEnv
+from magrpo.envs.code.env import CodeEnv
 from magrpo.trainer import train
 
 AUX = '''```python

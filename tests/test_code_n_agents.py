@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from envs.code.env import CodeEnv
-from envs.code.reward import analyze, helper_names, score
-from external.expert_edits import ExpertEdits, LLMExpert
+from magrpo.envs.code.env import CodeEnv
+from magrpo.envs.code.reward import analyze, helper_names, score
+from magrpo.external.expert_edits import ExpertEdits, LLMExpert
 from magrpo.config import ConfigError, ExternalConfig
 from magrpo.feedback import Branch, Feedback
 

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from envs.code import problems as P
+from magrpo.envs.code import problems as P
 
 
 @pytest.fixture(autouse=True)

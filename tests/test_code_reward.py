@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from envs.code.reward import RewardWeights, analyze, score
+from magrpo.envs.code.reward import RewardWeights, analyze, score
 
 AUX_OK = '''Here is my helper:
 ```python

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-import envs  # noqa: F401  (registers the built-in envs)
+import magrpo.envs  # noqa: F401  (registers the built-in envs)
 from magrpo.config import TrainConfig, flatten
 from magrpo.env import ENVS
 

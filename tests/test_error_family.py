@@ -18,8 +18,8 @@ def test_every_error_class_is_a_magrpo_error():
 
 
 def test_the_envs_and_experts_errors_join_the_family():
-    from envs.code.problems import DatasetUnavailable
-    from external.expert.errors import ExpertError
+    from magrpo.envs.code.problems import DatasetUnavailable
+    from magrpo.external.expert.errors import ExpertError
     from magrpo.report import ReportError
 
     assert issubclass(DatasetUnavailable, errors.MagrpoError)

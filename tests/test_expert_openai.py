@@ -12,8 +12,8 @@ import pytest
 
 pytest.importorskip("openai")
 
-from external.expert import ExpertCache, ExpertError, OpenAIExpert, open_cache, parse_edits  # noqa: E402
-from external.expert.breaker import CLOSED, OPEN, PROBE, Breaker  # noqa: E402
+from magrpo.external.expert import ExpertCache, ExpertError, OpenAIExpert, open_cache, parse_edits  # noqa: E402
+from magrpo.external.expert.breaker import CLOSED, OPEN, PROBE, Breaker  # noqa: E402
 from magrpo.config import ExpertConfig  # noqa: E402
 from tests.openai_server import CHAT, ERROR_500, GARBAGE, HANG, MODELS, Reply  # noqa: E402  (the `server` fixture: conftest.py)
 
@@ -168,7 +168,7 @@ def test_retry_after_forms():
     import email.utils
     from types import SimpleNamespace
 
-    from external.expert.openai_backend import _retry_after
+    from magrpo.external.expert.openai_backend import _retry_after
 
     def error(value):
         return SimpleNamespace(response=SimpleNamespace(headers={"retry-after": value} if value is not None else {}))
@@ -277,7 +277,7 @@ def test_deadline_and_breaker_settings_are_checked(override, allowed):
 
 PROBE_AT_EXIT = """
 import socket, time
-from external.expert import OpenAIExpert
+from magrpo.external.expert import OpenAIExpert
 from magrpo.config import ExpertConfig
 hung = socket.socket(); hung.bind(("127.0.0.1", 0)); hung.listen(8)  # accepts connections, never answers
 cfg = ExpertConfig(base_url=f"http://127.0.0.1:{hung.getsockname()[1]}/v1", model="m", timeout_s=120,

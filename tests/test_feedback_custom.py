@@ -47,7 +47,7 @@ def test_feedback_returning_wrong_count_names_the_function(tmp_path):
 
 
 def test_custom_feedback_receives_the_code_env_context_and_branch_histories(tmp_path):
-    from envs.code.env import CodeEnv
+    from magrpo.envs.code.env import CodeEnv
 
     proc = run_train(tmp_path, "env=code", "model=tiny", "env.train_split='test[:2]'", "env.eval_split='test[2:3]'",
                      "external.mode=tests.feedback_probe:record_context", "external.history=true",

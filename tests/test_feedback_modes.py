@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from envs.code.env import CodeEnv
+from magrpo.envs.code.env import CodeEnv
 from magrpo.config import ConfigError, ExternalConfig
 from magrpo.feedback import Branch, Feedback
 
@@ -141,7 +141,7 @@ def test_code_env_context_matches_its_declared_keys(env):
 
 @pytest.mark.parametrize("mode", ["level_feedback", "level_passed", "passed", "expert_edits"])
 def test_code_modes_refuse_an_env_without_code_context(mode):
-    from envs.length_ratio import LengthRatioEnv
+    from magrpo.envs.length_ratio import LengthRatioEnv
 
     with pytest.raises(ConfigError, match="external.mode: .*env=code"):
         Feedback(ExternalConfig(mode=mode), LengthRatioEnv(LengthRatioEnv.Config())).check()

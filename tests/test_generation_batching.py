@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from envs.length_ratio import LengthRatioEnv
-from external.plain import plain
+from magrpo.envs.length_ratio import LengthRatioEnv
+from magrpo.external.plain import plain
 from magrpo.config import ExternalConfig
 from magrpo.feedback import Feedback
 from magrpo.generation import GenerationRequest, SamplingParams

@@ -2,7 +2,7 @@
 process counted and averages what they share: checked on the built-in env and expert."""
 from __future__ import annotations
 
-from envs.code.env import CodeEnv
+from magrpo.envs.code.env import CodeEnv
 from magrpo.config import ExternalConfig
 from magrpo.feedback import Branch, Feedback
 from magrpo.metrics import Counter, Gauge

@@ -1,4 +1,4 @@
-"""One metrics stream, several sinks: every metric name documented in the README's metrics table is
+"""One metrics stream, several sinks: every metric name documented in docs/outputs.md (metrics table) is
 written to metrics.jsonl and to the wandb offline run's history; samples reach wandb too."""
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ NUM_TURNS, NUM_AGENTS, NUM_SAMPLES = 2, 2, 2
 
 
 def documented_metrics() -> list[str]:
-    """Metric names of the README's metrics table, with {t}, {a} and {k} expanded. Rows logged only
+    """Metric names of the metrics table in docs/outputs.md, with {t}, {a} and {k} expanded. Rows logged only
     with backend=vllm are left to tests/test_vllm_train.py (the vllm venv)."""
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs" / "outputs.md").read_text()
     table = readme.split("| metric | meaning | logged |")[1].split("\n\n")[0]
     names = []
     for row in table.strip().splitlines()[1:]:
@@ -52,7 +52,7 @@ def run(tmp_path_factory):
     return path
 
 
-def test_readme_table_lists_the_issue_families():
+def test_metrics_table_lists_the_issue_families():
     names = documented_metrics()
     for expected in ["train/turn_1/reward_max", "train/agent_1/entropy", "tree/leaves", "perf/peak_mem_gb",
                      "eval/turn_1/pass@2", "eval/turn_0/greedy_syntax_ok_mean", "expert/latency_s", "env_step"]:

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from envs.code import sandbox
-from envs.code.sandbox import Program, SandboxLimits, run_many, run_program
+from magrpo.envs.code import sandbox
+from magrpo.envs.code.sandbox import Program, SandboxLimits, run_many, run_program
 
 ROOT = os.geteuid() == 0
 FAST = SandboxLimits(timeout_s=2.0, cpu_s=2, memory_mb=512, max_processes=32, output_bytes=10_000)

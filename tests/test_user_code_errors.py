@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from envs.length_ratio import LengthRatioEnv
+from magrpo.envs.length_ratio import LengthRatioEnv
 from magrpo.cli import main
 from magrpo.feedback import FeedbackMode
 from tests.conftest import ROOT, SMALL
@@ -67,7 +67,7 @@ def test_raising_env_method_during_a_step_is_named_with_its_turn(run_main, tmp_p
     code, errors, err = run_main("trainer.steps=1")
     assert code == 1 and "Traceback" not in err, err
     assert len(errors) == 1
-    assert re.match(r"error: envs\.length_ratio\.LengthRatioEnv\.agent_prompts raised at turn 0 "
+    assert re.match(r"error: magrpo\.envs\.length_ratio\.LengthRatioEnv\.agent_prompts raised at turn 0 "
                     r"\(problem 'Write about \w+\.'\): KeyError: 'topic' \(traceback in .*error\.log; ", errors[0]), errors
 
 
@@ -76,7 +76,7 @@ def test_raising_env_score_keeps_its_one_line_and_logs_the_traceback(run_main, t
     code, errors, err = run_main("trainer.steps=1")
     assert code == 1 and "Traceback" not in err, err
     assert len(errors) == 1
-    assert errors[0].startswith("error: env LengthRatioEnv (envs.length_ratio.LengthRatioEnv.score) failed on joint "
+    assert errors[0].startswith("error: env LengthRatioEnv (magrpo.envs.length_ratio.LengthRatioEnv.score) failed on joint "
                                 "action 0 of turn 0"), errors
     assert "ZeroDivisionError: division by zero" in errors[0]
     assert "ZeroDivisionError" in (tmp_path / "run" / "error.log").read_text()
@@ -90,9 +90,9 @@ def _raise(error):
 
 
 @pytest.mark.parametrize("method,error,line", [
-    ("problems", OSError("the problem server is down"), "envs.length_ratio.LengthRatioEnv.problems raised loading "
+    ("problems", OSError("the problem server is down"), "magrpo.envs.length_ratio.LengthRatioEnv.problems raised loading "
                                                         "the train split: OSError: the problem server is down"),
-    ("__init__", FileNotFoundError("topics.txt"), "envs.length_ratio.LengthRatioEnv.__init__ raised at start-up: "
+    ("__init__", FileNotFoundError("topics.txt"), "magrpo.envs.length_ratio.LengthRatioEnv.__init__ raised at start-up: "
                                                   "FileNotFoundError: topics.txt"),
 ])
 def test_raising_env_at_start_up_is_one_line_and_no_run_dir(run_main, tmp_path, monkeypatch, method, error, line):

@@ -11,7 +11,7 @@ pytest.importorskip("vllm", reason="vllm not installed: bash scripts/setup_vllm.
 
 import torch  # noqa: E402
 
-from external.plain import plain  # noqa: E402
+from magrpo.external.plain import plain  # noqa: E402
 from magrpo.config import ExternalConfig  # noqa: E402
 from magrpo.feedback import Feedback  # noqa: E402
 from magrpo.backends import make_backend  # noqa: E402

@@ -196,7 +196,7 @@ class CodeEnv(Environment):
 
     def feedback_context(self, problem: Mapping[str, Any], texts: Sequence[str], a: Analysis,
                          result: RunResult | None, reward: float, parts: dict[str, float]) -> dict[str, Any]:
-        """What feedback modes may show about one joint action (documented in the README)."""
+        """What feedback modes may show about one joint action (documented in docs/feedback.md)."""
         sig, suite, _ = self._parsed[problem["task_id"]]
         first_failure = None
         if result is not None:

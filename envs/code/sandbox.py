@@ -433,7 +433,7 @@ def run_many(programs: Sequence[Program], limits: SandboxLimits = SandboxLimits(
         return list(pool.map(lambda program: run_program(program, limits), programs))
 
 
-def main() -> None:  # python -m envs.code.sandbox [N]: sandbox runs per second
+def main() -> None:  # python -m magrpo.envs.code.sandbox [N]: sandbox runs per second
     count = int(sys.argv[1]) if len(sys.argv) > 1 else 200
     cases = [f"assert candidate({i}, 1) == {i + 1}" for i in range(4)]
     add = Program("def add(a, b):\n    return a + b\n", "", cases, "add")
