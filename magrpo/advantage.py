@@ -109,6 +109,18 @@ def group_advantages(values: np.ndarray, baseline: str, scale: str) -> tuple[np.
     Zero-variance groups get advantage 0 whatever the baseline (none included): no signal, no gradient."""
     values = np.asarray(values, dtype=np.float64)
     adv = (values - BASELINES.get(baseline)(values)) / SCALES.get(scale)(values)
-    zero_std = values.std(axis=-1) < ZERO_STD
+    zero_std = zero_variance(values)
     adv = np.where(zero_std[..., None], 0.0, adv)
     return adv, zero_std
+
+
+def zero_variance(values: np.ndarray) -> np.ndarray:
+    """values (..., K) -> (...,) bool: the group's K values are all equal (no signal)."""
+    return np.asarray(values, dtype=np.float64).std(axis=-1) < ZERO_STD
+
+
+def all_groups_flat(joint: np.ndarray, rewards: np.ndarray, k: int, credit: str) -> bool:
+    """True when every agent's group at a node has zero variance in the node's own rewards (credited
+    as at a leaf). Dynamic sampling (DAPO, arXiv:2503.14476, over-samples prompts whose group is all
+    right or all wrong) regenerates such a node: at the last turn it could give no gradient at all."""
+    return bool(zero_variance(agent_credit(joint, rewards, k, credit)).all())

@@ -113,6 +113,16 @@ class TrainerConfig:
     """k3 KL to the reference (base model, adapter disabled); 0 = off."""
     tis_cap: float = 0.0
     """Truncated importance sampling: weight each token's loss by min(p_trainer / p_sampler, tis_cap), correcting for the generation backend's own numerics (and top-k/top-p truncation, which the trainer does not apply); 0 = off."""
+    ratio_level: str = "token"
+    """Importance ratio the clip acts on: token (PPO/GRPO) | sequence (GSPO, arXiv:2507.18071: exp of the completion's mean per-token log-ratio, one clip per completion; GSPO uses clip_eps ~3e-4 to 4e-4). Same gradient as token while the ratio is 1 (ppo_epochs = 1, no tis_cap)."""
+    clip_eps_high: Optional[float] = None
+    """Upper ratio clip 1 + clip_eps_high, lower stays 1 - clip_eps (DAPO's clip-higher, arXiv:2503.14476: 0.28 with clip_eps 0.2; logged as clip_frac_high); null = clip_eps."""
+    mask_truncated: bool = False
+    """Leave completions cut at generation.max_new_tokens (no EOS) out of the loss and its normalisers (DAPO's overlong filtering); their rewards still count in the group baselines."""
+    resample_zero_std: int = 0
+    """Dynamic sampling (DAPO's, per node): a node whose every agent group got equal immediate rewards regenerates its completions, up to this many times (train/resampled_nodes counts them); 0 = off."""
+    entropy_coef: float = 0.0
+    """Entropy bonus: subtract entropy_coef x the policy entropy per token, aggregated like the loss (keeps exploration up); 0 = off."""
     seed: int = 0
     """In [0, 2**32). Seeds python, numpy, torch, the data order and the sampling streams (one per tree, node, agent and sample: the same under any batching or number of processes)."""
     max_sequences_per_step: int = 20_000
@@ -273,6 +283,18 @@ class TrainConfig:
     """Keys (or sections, e.g. trainer.lr, external) allowed to differ from the checkpoint's config on resume; without them a change in anything but trainer.steps, logging, eval, checkpoint and speed settings stops the resume."""
 
 
+def check_loss_options(t: TrainerConfig) -> None:
+    """trainer.ratio_level, clip_eps_high, resample_zero_std, entropy_coef."""
+    from .loss import RATIO_LEVELS
+
+    if t.ratio_level not in RATIO_LEVELS:
+        raise ConfigError("trainer.ratio_level", f"{t.ratio_level!r} is not allowed; choose one of: {', '.join(RATIO_LEVELS.names())}")
+    if t.clip_eps_high is not None:
+        above("trainer.clip_eps_high", t.clip_eps_high, 0)
+    at_least("trainer.resample_zero_std", t.resample_zero_std, 0)
+    at_least("trainer.entropy_coef", t.entropy_coef, 0.0)
+
+
 def flatten(config: Any, prefix: str = "") -> dict[str, Any]:
     """Dotted keys to leaf values of a nested dict; lists are leaves (agents, target_modules)."""
     if not isinstance(config, dict):
@@ -376,6 +398,7 @@ def validate(cfg: TrainConfig) -> None:
     _choice("trainer.baseline", t.baseline, BASELINES.names())
     _choice("trainer.advantage_scale", t.advantage_scale, SCALES.names())
     _choice("trainer.loss_agg", t.loss_agg, LOSS_AGGS.names())
+    check_loss_options(t)
 
     g = cfg.generation
     _at_least("generation.max_new_tokens", g.max_new_tokens, 1)

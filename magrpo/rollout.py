@@ -8,7 +8,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from .advantage import agent_credit, group_advantages, tree_returns
+from .advantage import agent_credit, all_groups_flat, group_advantages, tree_returns
 from .env import Environment, Scored, call_env
 from .errors import describe, qualified_name
 from .feedback import Branch
@@ -25,9 +25,12 @@ class TreeSettings:
     early_termination_threshold: float | None = None
     on_reward_error: str = "raise"  # raise | zero (the joint action scores 0 and gets no child)
     expand: str = "all"  # all | top:M | random:M: which joint actions of a node get a child (tree.expanded)
+    resample_zero_std: int = 0  # regenerate a node whose agent groups all got equal rewards, up to this many times
+    cross_credit: str = "mean"  # how a completion is credited when checking its group for zero variance
 
 
 EXPAND_DRAWS = 0x45585044  # a stream domain of its own for random:M (never a sampling stream's key)
+RESAMPLE_DRAWS = 0x52534D50  # the same for the regenerated samples of dynamic sampling
 
 
 class RewardError(RuntimeError):
@@ -70,6 +73,7 @@ class Rollout:
     timings: dict[str, float] = field(default_factory=dict)  # gen_s, reward_s, feedback_s
     terminated_per_turn: list[int] = field(default_factory=list)
     reward_errors: int = 0  # joint actions scored 0 because the env failed on them (reward.on_error=zero)
+    resampled_nodes: int = 0  # node regenerations by dynamic sampling (a node regenerated twice counts 2)
 
 
 def expand_trees(
@@ -98,28 +102,59 @@ def expand_trees(
                           prompt_history=[[p] for p in prompts], response_history=[[] for _ in range(n)],
                           stream=None if seed is None else stream_key(seed, tree_offset + b)))
     rollout = Rollout(problems=problems, nodes=nodes, timings={"gen_s": 0.0, "reward_s": 0.0, "feedback_s": 0.0})
+
+    def generate(at: list[Node], attempt: int) -> None:
+        """One backend call for every agent of every node in `at`; attempt > 0: dynamic sampling's
+        regenerations, from streams of their own."""
+        def key(node: Node, a: int) -> int | None:
+            if node.stream is None:
+                return None
+            return stream_key(node.stream, a) if attempt == 0 else stream_key(node.stream, RESAMPLE_DRAWS, attempt, a)
+
+        samples = backend.generate([GenerationRequest(node.prompts[a], a, k, key(node, a)) for node in at for a in range(n)],
+                                   sampling)
+        for i, node in enumerate(at):
+            node.completions = samples[i * n : (i + 1) * n]
+            node.joint = joint
+
+    def score(at: list[Node], turn: int) -> tuple[list[Scored], np.ndarray, np.ndarray]:
+        """One env call for every joint action of the nodes in `at`: scores, (nodes, J) rewards and failures."""
+        texts = [[node.completions[a][j[a]].text for a in range(n)] for node in at for j in joint]
+        owners = [problems[node.tree] for node in at for _ in joint]
+        scored, failed = score_guarded(env, owners, texts, tree.on_reward_error, turn)
+        rewards = np.asarray([s.reward for s in scored], dtype=np.float64).reshape(len(at), len(joint))
+        return scored, rewards, np.asarray(failed, dtype=bool).reshape(len(at), len(joint))
+
     for turn in range(tree.num_turns):
         first_id = len(nodes)
         nodes.extend(level)
 
         # 1) generate: one backend call for every agent of every node of this turn
         t0 = time.perf_counter()
-        requests = [GenerationRequest(node.prompts[a], a, k, None if node.stream is None else stream_key(node.stream, a))
-                    for node in level for a in range(n)]
-        samples = backend.generate(requests, sampling)
-        for i, node in enumerate(level):
-            node.completions = samples[i * n : (i + 1) * n]
-            node.joint = joint
+        generate(level, 0)
         t1 = time.perf_counter()
 
         # 2) score: one env call for every joint action of this turn
-        texts = [[node.completions[a][j[a]].text for a in range(n)] for node in level for j in joint]
-        owners = [problems[node.tree] for node in level for _ in joint]
-        scored, failed = score_guarded(env, owners, texts, tree.on_reward_error, turn)
-        rewards = np.asarray([s.reward for s in scored], dtype=np.float64).reshape(len(level), len(joint))
-        failed = np.asarray(failed, dtype=bool).reshape(len(level), len(joint))
-        rollout.reward_errors += int(failed.sum())
+        scored, rewards, failed = score(level, turn)
         t2 = time.perf_counter()
+        gen_s, reward_s = t1 - t0, t2 - t1
+
+        # 2b) dynamic sampling: regenerate the nodes whose every agent group got equal rewards
+        for attempt in range(1, tree.resample_zero_std + 1):
+            flat = [i for i in range(len(level)) if all_groups_flat(joint, rewards[i], k, tree.cross_credit)]
+            if not flat:
+                break
+            t0 = time.perf_counter()
+            generate([level[i] for i in flat], attempt)
+            t1 = time.perf_counter()
+            again, again_rewards, again_failed = score([level[i] for i in flat], turn)
+            for row, i in enumerate(flat):
+                scored[i * len(joint) : (i + 1) * len(joint)] = again[row * len(joint) : (row + 1) * len(joint)]
+                rewards[i], failed[i] = again_rewards[row], again_failed[row]
+            rollout.resampled_nodes += len(flat)
+            t2 = time.perf_counter()
+            gen_s, reward_s = gen_s + t1 - t0, reward_s + t2 - t1
+        rollout.reward_errors += int(failed.sum())
 
         # 3) expand: joint actions that are neither at the turn limit nor terminated get a child;
         #    the feedback layer sees all of this turn's expanding branches at once
@@ -160,8 +195,8 @@ def expand_trees(
                 stream=None if level[i].stream is None else stream_key(level[i].stream, j),
             ))
         rollout.terminated_per_turn.append(terminated)
-        rollout.timings["gen_s"] += t1 - t0
-        rollout.timings["reward_s"] += t2 - t1
+        rollout.timings["gen_s"] += gen_s
+        rollout.timings["reward_s"] += reward_s
         rollout.timings["feedback_s"] += time.perf_counter() - t2
         level = next_level
         if not level:
@@ -202,6 +237,7 @@ def merge_rollouts(parts: Sequence[Rollout]) -> Rollout:
         terminated_per_turn=[sum(part.terminated_per_turn[t] for part in parts if t < len(part.terminated_per_turn))
                              for t in range(turns)],
         reward_errors=sum(part.reward_errors for part in parts),
+        resampled_nodes=sum(part.resampled_nodes for part in parts),
     )
 
 

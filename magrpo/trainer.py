@@ -20,6 +20,7 @@ from .errors import log_traceback
 from .evaluation import evaluate
 from .feedback import Feedback
 from .generation import SamplingParams, make_backend
+from .loss import kept_completions
 from .rollout import Rollout, TreeSettings, assign_advantages, expand_trees, merge_rollouts, portable
 from .run_io import NullWriter, RunWriter, make_run_dir, tree_records
 from .sampling import stream_key
@@ -138,7 +139,7 @@ def _train(cfg: TrainConfig, env: Environment, feedback: Feedback, world: World)
     writer = RunWriter(run_dir, asdict(cfg), cfg.logging.wandb) if world.is_main else NullWriter()
     eval_problems = env.problems("eval")[: cfg.eval.max_problems or None] if evaluates(cfg) else []
     tree = TreeSettings(t.num_generations, t.num_turns, t.joint_mode, t.early_termination_threshold, cfg.reward.on_error,
-                        t.expand)
+                        t.expand, t.resample_zero_std, t.cross_credit)
     bad_in_row = 0
     micro = [t.micro_batch_size]  # halved for the rest of the run after an out-of-memory
     g = cfg.generation
@@ -200,15 +201,16 @@ def _train(cfg: TrainConfig, env: Environment, feedback: Feedback, world: World)
             backend.sleep()
             agent_stats = []
             for a, up in zip(agents, updaters):
-                samples = _samples_of(rollout, a.index)
+                samples = _samples_of(rollout, a.index, t.mask_truncated)
                 # Taken once, outside the retry: a rank that retries after an out-of-memory (in its forward
                 # or backward) then meets the others at the gradient all-reduce.
-                counts = up.batch_counts(samples, t.kl_coef, world)
+                counts = up.batch_counts(samples, t.kl_coef + t.entropy_coef, world)
                 agent_stats.append(oom_retry(
                     lambda: up.step(samples, loss_agg=t.loss_agg, max_new_tokens=g.max_new_tokens,
                                     micro_batch_size=micro[0], ppo_epochs=t.ppo_epochs, clip_eps=t.clip_eps,
                                     kl_coef=t.kl_coef, max_grad_norm=t.max_grad_norm, tis_cap=t.tis_cap,
-                                    temperature=g.temperature,
+                                    temperature=g.temperature, clip_eps_high=t.clip_eps_high,
+                                    ratio_level=t.ratio_level, entropy_coef=t.entropy_coef,
                                     world=world, counts=counts),
                     lambda: _halve(micro), "trainer.micro_batch_size"))
             backend.sync_weights()  # adapters reach the generator (vllm: new version, checked by the guard)
@@ -274,11 +276,11 @@ def _train(cfg: TrainConfig, env: Environment, feedback: Feedback, world: World)
     return run_dir
 
 
-def _samples_of(rollout: Rollout, agent: int) -> list[TrainSample]:
+def _samples_of(rollout: Rollout, agent: int, mask_truncated: bool = False) -> list[TrainSample]:
+    completions = [(node, k, c) for node in rollout.nodes for k, c in enumerate(node.completions[agent])]
     return [
         TrainSample(c.prompt_ids, c.token_ids, float(node.advantages[agent, k]), c.logprobs)
-        for node in rollout.nodes
-        for k, c in enumerate(node.completions[agent])
+        for node, k, c in (completions[i] for i in kept_completions([c.finished for _, _, c in completions], mask_truncated))
     ]
 
 
@@ -288,6 +290,7 @@ def _whole_batch_metrics(parts: list[dict], agent_stats: list[dict], num_turns: 
     whole = merge_rollouts([part["rollout"] for part in parts])  # nodes keep the advantages their rank gave them
     metrics = _metrics(whole, agent_stats, num_turns)
     metrics["train/reward_errors"] = whole.reward_errors
+    metrics["train/resampled_nodes"] = whole.resampled_nodes
     metrics.update({
         "perf/tokens_per_s": sum(part["tokens"] for part in parts) / max(whole.timings["gen_s"], 1e-9),
         **{f"perf/{k}": v for k, v in whole.timings.items()},
@@ -323,6 +326,7 @@ def _metrics(rollout: Rollout, agent_stats: list[dict], num_turns: int) -> dict[
             out[f"train/agent_{a}/{key}"] = value
         out[f"train/agent_{a}/adv_abs_mean"] = float(np.mean([np.abs(n.advantages[a]).mean() for n in nodes]))
         out[f"train/agent_{a}/frac_zero_std"] = float(zero_std[:, a].mean())
+        out[f"train/agent_{a}/truncated_frac"] = float(np.mean([not c.finished for n in nodes for c in n.completions[a]]))
     return out
 
 

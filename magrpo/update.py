@@ -79,11 +79,12 @@ def pack(samples: list[TrainSample], pad_id: int) -> PackedBatch:
 
 
 def forward_logprobs(model: torch.nn.Module, batch: PackedBatch, entropy: list | None = None,
-                     temperature: float = 1.0) -> torch.Tensor:
+                     temperature: float = 1.0, entropy_grad: bool = False) -> torch.Tensor:
     """(R, C) log p(completion token t | prompt, tokens < t) under the sampling temperature (logits /
     temperature, as the tokens were drawn; TRL and verl score the same way); read with
     batch.target_mask. Logits are computed for completion positions only: long prompts cost no
-    lm_head work. `entropy`, when given, receives the (R, C) policy entropy per position (no gradient)."""
+    lm_head work. `entropy`, when given, receives the (R, C) policy entropy per position (with its
+    gradient when entropy_grad: the entropy bonus)."""
     out = model(input_ids=batch.prompt_ids, attention_mask=batch.prompt_mask,
                 position_ids=(batch.prompt_mask.cumsum(-1) - 1).clamp(min=0), use_cache=True, logits_to_keep=1)
     logits = out.logits[batch.expand]  # (R, 1, V): predicts completion token 0
@@ -96,7 +97,7 @@ def forward_logprobs(model: torch.nn.Module, batch: PackedBatch, entropy: list |
     if temperature != 1.0:
         logits = logits.float() / temperature
     if entropy is not None:
-        entropy.append(token_entropy(logits.detach()))
+        entropy.append(token_entropy(logits if entropy_grad else logits.detach()))
     return gather_logprobs(logits, batch.targets)
 
 
@@ -146,7 +147,8 @@ def lora_train_mode(model: torch.nn.Module) -> None:
 
 
 def trained_rows(samples: list[TrainSample], kl_coef: float) -> list[int]:
-    """Zero-advantage sequences add nothing to the policy gradient: skip their forward unless KL needs it."""
+    """Zero-advantage sequences add nothing to the policy gradient: skip their forward unless a
+    per-token term needs it (kl_coef: the sum of the KL and entropy coefficients)."""
     return [i for i, s in enumerate(samples) if s.advantage != 0.0 or kl_coef > 0]
 
 
@@ -175,6 +177,9 @@ class AgentUpdater:
         max_grad_norm: float,
         tis_cap: float = 0.0,
         temperature: float = 1.0,
+        clip_eps_high: float | None = None,
+        ratio_level: str = "token",
+        entropy_coef: float = 0.0,
         world: World = World(),
         counts: tuple[float, float, float] | None = None,
     ) -> dict[str, float]:
@@ -186,8 +191,8 @@ class AgentUpdater:
         model, agent = self.agent.model, self.agent
         device = next(model.parameters()).device
         lengths = torch.tensor([len(s.completion_ids) for s in samples], dtype=torch.long)
-        keep = trained_rows(samples, kl_coef)
-        num_sequences, num_tokens, num_kept = counts or self.batch_counts(samples, kl_coef, world)
+        keep = trained_rows(samples, kl_coef + entropy_coef)
+        num_sequences, num_tokens, num_kept = counts or self.batch_counts(samples, kl_coef + entropy_coef, world)
         weights = sequence_weights(loss_agg, lengths, max_new_tokens, int(num_sequences), int(num_tokens))
         batches = micro_batches(samples, keep, micro_batch_size)
         model.set_adapter(agent.adapter)  # also makes only this adapter trainable
@@ -195,7 +200,7 @@ class AgentUpdater:
         old_logps: list[torch.Tensor] = []
         ref_logps: list[torch.Tensor | None] = []
         is_weights: list[torch.Tensor | None] = []
-        totals = {"loss": 0.0, "clipped_tokens": 0.0, "kl_sum": 0.0, "entropy_sum": 0.0}
+        totals = {"loss": 0.0, "clipped_tokens": 0.0, "clipped_high_tokens": 0.0, "kl_sum": 0.0, "entropy_sum": 0.0}
         mismatch = {"tokens": 0.0, "abs_sum": 0.0, "weight_sum": 0.0, "capped": 0.0}
         grad_norm = 0.0
         skipped = 0
@@ -205,7 +210,8 @@ class AgentUpdater:
                 batch = pack([samples[i] for i in rows], agent.tokenizer.pad_token_id).to(device)
                 adv = torch.tensor([samples[i].advantage for i in rows], dtype=torch.float32, device=device)
                 entropy: list[torch.Tensor] = []
-                logp = forward_logprobs(model, batch, entropy if epoch == 0 else None, temperature)
+                bonus = entropy_coef > 0  # the entropy bonus needs the entropy, with its gradient, every epoch
+                logp = forward_logprobs(model, batch, entropy if epoch == 0 or bonus else None, temperature, bonus)
                 if epoch == 0:  # parameters have not moved yet: these are the behaviour log-probs
                     totals["entropy_sum"] += float((entropy[0] * batch.target_mask).sum())
                     old_logps.append(logp.detach())
@@ -213,10 +219,11 @@ class AgentUpdater:
                     is_weights.append(importance_weights(logp.detach(), [samples[i] for i in rows], batch.target_mask,
                                                           tis_cap, mismatch))
                 loss, stats = policy_loss(logp, old_logps[b], adv, batch.target_mask, weights[rows].to(device),
-                                          clip_eps, ref_logps[b], kl_coef, is_weights[b])
+                                          clip_eps, ref_logps[b], kl_coef, is_weights[b], clip_eps_high, ratio_level,
+                                          entropy[0] if bonus else None, entropy_coef)
                 loss.backward()
                 if epoch == ppo_epochs - 1:
-                    for key in ("loss", "clipped_tokens", "kl_sum"):
+                    for key in ("loss", "clipped_tokens", "clipped_high_tokens", "kl_sum"):
                         totals[key] += float(stats.get(key, 0.0))
             if world.size > 1 and num_kept:  # no rank trained a row: no gradient anywhere, as in one process
                 self._sum_gradients(world)
@@ -236,6 +243,7 @@ class AgentUpdater:
         out = {
             "loss": summed["loss"],
             "clip_frac": summed["clipped_tokens"] / tokens,
+            "clip_frac_high": summed["clipped_high_tokens"] / tokens,
             "kl": summed["kl_sum"] / tokens,
             "grad_norm": grad_norm,
             "lr": lr,
