@@ -91,6 +91,8 @@ class TrainerConfig:
     """Cross mode: a completion's value over the joint actions containing it: mean | sum (CoMLRL)."""
     baseline: str = "mean"
     """Per-group baseline: mean | rloo | max | none."""
+    group_by: str = "node"
+    """What a group is: node (MAGRPO: an agent's K completions at one node) | agent_turn (AT-GRPO, arXiv:2510.11062: an agent's completions at every node of one turn of a tree)."""
     advantage_scale: str = "none"
     """none | std (divide by the group's std, no re-centring)."""
     loss_agg: str = "token_mean"
@@ -249,6 +251,8 @@ class ExternalConfig:
 class RewardConfig:
     on_error: str = "raise"
     """When the env raises or returns NaN for a joint action: raise (stop, naming it) | zero (reward 0, no child, counted)."""
+    team_weight: float = 1.0
+    """Envs that give per-agent rewards (Scored.agent_rewards): agent i's value is team_weight x team reward + (1 - team_weight) x its own, and its returns, credit and groups use it (train/agent_{a}/reward_mean logs its own mean); 1 = the team reward alone (in [0, 1]). Early termination and trainer.expand use the team reward."""
 
 
 @dataclass
@@ -283,16 +287,22 @@ class TrainConfig:
     """Keys (or sections, e.g. trainer.lr, external) allowed to differ from the checkpoint's config on resume; without them a change in anything but trainer.steps, logging, eval, checkpoint and speed settings stops the resume."""
 
 
-def check_loss_options(t: TrainerConfig) -> None:
-    """trainer.ratio_level, clip_eps_high, resample_zero_std, entropy_coef."""
+def check_loss_credit_options(cfg: TrainConfig) -> None:
+    """The loss and credit options: trainer.ratio_level, group_by, clip_eps_high, resample_zero_std,
+    entropy_coef and reward.team_weight."""
+    from .advantage import GROUP_BY
     from .loss import RATIO_LEVELS
 
-    if t.ratio_level not in RATIO_LEVELS:
-        raise ConfigError("trainer.ratio_level", f"{t.ratio_level!r} is not allowed; choose one of: {', '.join(RATIO_LEVELS.names())}")
+    t = cfg.trainer
+    for key, value, registry in (("trainer.ratio_level", t.ratio_level, RATIO_LEVELS), ("trainer.group_by", t.group_by, GROUP_BY)):
+        if value not in registry:
+            raise ConfigError(key, f"{value!r} is not allowed; choose one of: {', '.join(registry.names())}")
     if t.clip_eps_high is not None:
         above("trainer.clip_eps_high", t.clip_eps_high, 0)
     at_least("trainer.resample_zero_std", t.resample_zero_std, 0)
     at_least("trainer.entropy_coef", t.entropy_coef, 0.0)
+    if not 0 <= cfg.reward.team_weight <= 1:
+        raise ConfigError("reward.team_weight", f"must be in [0, 1], got {cfg.reward.team_weight}")
 
 
 def flatten(config: Any, prefix: str = "") -> dict[str, Any]:
@@ -398,7 +408,7 @@ def validate(cfg: TrainConfig) -> None:
     _choice("trainer.baseline", t.baseline, BASELINES.names())
     _choice("trainer.advantage_scale", t.advantage_scale, SCALES.names())
     _choice("trainer.loss_agg", t.loss_agg, LOSS_AGGS.names())
-    check_loss_options(t)
+    check_loss_credit_options(cfg)
 
     g = cfg.generation
     _at_least("generation.max_new_tokens", g.max_new_tokens, 1)

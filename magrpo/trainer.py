@@ -139,7 +139,7 @@ def _train(cfg: TrainConfig, env: Environment, feedback: Feedback, world: World)
     writer = RunWriter(run_dir, asdict(cfg), cfg.logging.wandb) if world.is_main else NullWriter()
     eval_problems = env.problems("eval")[: cfg.eval.max_problems or None] if evaluates(cfg) else []
     tree = TreeSettings(t.num_generations, t.num_turns, t.joint_mode, t.early_termination_threshold, cfg.reward.on_error,
-                        t.expand, t.resample_zero_std, t.cross_credit)
+                        t.expand, t.resample_zero_std, t.cross_credit, cfg.reward.team_weight)
     bad_in_row = 0
     micro = [t.micro_batch_size]  # halved for the rest of the run after an out-of-memory
     g = cfg.generation
@@ -194,7 +194,8 @@ def _train(cfg: TrainConfig, env: Environment, feedback: Feedback, world: World)
                                 getattr(backend, "halve_batch", None),
                                 "generation.max_batch_rows" if cfg.backend == "hf" else "vllm.gpu_memory_utilization")
             new_tokens = backend.generated_tokens - tokens_before  # before evaluation adds its own tokens
-            assign_advantages(rollout.nodes, t.discount, t.cross_credit, t.baseline, t.advantage_scale)
+            assign_advantages(rollout.nodes, t.discount, t.cross_credit, t.baseline, t.advantage_scale, t.group_by,
+                              cfg.reward.team_weight)
 
             u0 = time.perf_counter()
             backend_metrics = backend.metrics()  # this rollout's numbers (e.g. prefix-cache hits), before eval
@@ -327,6 +328,9 @@ def _metrics(rollout: Rollout, agent_stats: list[dict], num_turns: int) -> dict[
         out[f"train/agent_{a}/adv_abs_mean"] = float(np.mean([np.abs(n.advantages[a]).mean() for n in nodes]))
         out[f"train/agent_{a}/frac_zero_std"] = float(zero_std[:, a].mean())
         out[f"train/agent_{a}/truncated_frac"] = float(np.mean([not c.finished for n in nodes for c in n.completions[a]]))
+        own = [n.agent_rewards[:, a] for n in nodes if n.agent_rewards is not None]
+        if own:  # the env gives per-agent rewards: agent a's own, before mixing with the team's
+            out[f"train/agent_{a}/reward_mean"] = float(np.concatenate(own).mean())
     return out
 
 

@@ -213,7 +213,7 @@ class AgentUpdater:
                 bonus = entropy_coef > 0  # the entropy bonus needs the entropy, with its gradient, every epoch
                 logp = forward_logprobs(model, batch, entropy if epoch == 0 or bonus else None, temperature, bonus)
                 if epoch == 0:  # parameters have not moved yet: these are the behaviour log-probs
-                    totals["entropy_sum"] += float((entropy[0] * batch.target_mask).sum())
+                    totals["entropy_sum"] += float((entropy[0].detach() * batch.target_mask).sum())
                     old_logps.append(logp.detach())
                     ref_logps.append(self._reference_logprobs(batch, temperature) if kl_coef > 0 else None)
                     is_weights.append(importance_weights(logp.detach(), [samples[i] for i in rows], batch.target_mask,
