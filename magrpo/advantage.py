@@ -3,11 +3,13 @@
 1. Returns flow up the tree: G_j = r_j + gamma * mean(G of the child's joint actions); a leaf's G_j = r_j.
 2. Credit per agent: each of an agent's K completions at a node gets one value from the G's of
    the joint actions that contain it (align: exactly one; cross: K^(N-1) of them).
-3. Group = one agent's K completions at one node; a GRPO baseline per group gives advantages.
+3. Group = one agent's K completions at one node (group_by=node), or at every node of one turn
+   of a tree (group_by=agent_turn); a GRPO baseline per group gives advantages.
+With per-agent rewards, every agent's returns flow up the tree from its own (team-mixed) rewards.
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Hashable, Sequence
 
 import numpy as np
 
@@ -20,6 +22,8 @@ ZERO_STD = 1e-8
 BASELINES: Registry[Callable[[np.ndarray], np.ndarray]] = Registry("baseline")
 CREDITS: Registry[Callable[[np.ndarray, np.ndarray, int], np.ndarray]] = Registry("cross_credit")
 SCALES: Registry[Callable[[np.ndarray], np.ndarray]] = Registry("advantage_scale")
+# group_key(node index, tree, turn) -> key: nodes with one key pool each agent's completions into one group.
+GROUP_BY: Registry[Callable[[int, int, int], Hashable]] = Registry("group_by")
 
 
 def tree_returns(
@@ -66,9 +70,24 @@ def _credit_counts(joint: np.ndarray, k: int) -> np.ndarray:
 
 
 def agent_credit(joint: np.ndarray, returns: np.ndarray, k: int, how: str) -> np.ndarray:
-    """(N, K) value per completion. Align joint actions contain each completion once, so mean and
-    sum agree there."""
-    return CREDITS.get(how)(joint, returns, k)
+    """(N, K) value per completion from the (J,) team returns, or from (J, N) per-agent returns (each
+    agent credited with its own column). Align joint actions contain each completion once, so mean
+    and sum agree there."""
+    credit = CREDITS.get(how)
+    if returns.ndim == 1:
+        return credit(joint, returns, k)
+    return np.stack([credit(joint, returns[:, i], k)[i] for i in range(joint.shape[1])])
+
+
+def own_values(team: np.ndarray, own: np.ndarray | None, team_weight: float) -> np.ndarray:
+    """What credit starts from at one node: the (J,) team rewards, or with per-agent rewards (J, N)
+    and team_weight < 1 each agent's own mixed with the team's."""
+    return team if own is None or team_weight == 1 else mix_rewards(team, own, team_weight)
+
+
+def mix_rewards(team: np.ndarray, own: np.ndarray, team_weight: float) -> np.ndarray:
+    """team (J,), own (J, N) -> (J, N): each agent's reward, team_weight x team + (1 - team_weight) x own."""
+    return team_weight * np.asarray(team, dtype=np.float64)[:, None] + (1 - team_weight) * np.asarray(own, dtype=np.float64)
 
 
 @BASELINES.register("mean")
@@ -109,6 +128,39 @@ def group_advantages(values: np.ndarray, baseline: str, scale: str) -> tuple[np.
     Zero-variance groups get advantage 0 whatever the baseline (none included): no signal, no gradient."""
     values = np.asarray(values, dtype=np.float64)
     adv = (values - BASELINES.get(baseline)(values)) / SCALES.get(scale)(values)
-    zero_std = values.std(axis=-1) < ZERO_STD
+    zero_std = zero_variance(values)
     adv = np.where(zero_std[..., None], 0.0, adv)
     return adv, zero_std
+
+
+def zero_variance(values: np.ndarray) -> np.ndarray:
+    """values (..., K) -> (...,) bool: the group's K values are all equal (no signal)."""
+    return np.asarray(values, dtype=np.float64).std(axis=-1) < ZERO_STD
+
+
+def all_groups_flat(joint: np.ndarray, rewards: np.ndarray, k: int, credit: str) -> bool:
+    """True when every agent's group at a node has zero variance in the node's own rewards (credited
+    as at a leaf). Dynamic sampling (DAPO, arXiv:2503.14476, over-samples prompts whose group is all
+    right or all wrong) regenerates such a node: at the last turn it could give no gradient at all."""
+    return bool(zero_variance(agent_credit(joint, rewards, k, credit)).all())
+
+
+@GROUP_BY.register("node")
+def node_group(node: int, tree: int, turn: int) -> Hashable:
+    """MAGRPO: an agent's K completions at one node (one prompt) form its group."""
+    return node
+
+
+@GROUP_BY.register("agent_turn")
+def agent_turn_group(node: int, tree: int, turn: int) -> Hashable:
+    """AT-GRPO (Zhao et al. 2025, arXiv:2510.11062): an agent's completions at every node of one
+    turn of a tree form one group (prompts differ by branch, the agent and the turn do not)."""
+    return tree, turn
+
+
+def pooled_advantages(values: Sequence[np.ndarray], baseline: str, scale: str) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """values: (N, K_m) per node of one pool -> advantages (N, K_m) per node and each node's (N,)
+    zero-variance mask, with one group per agent over all the pool's completions."""
+    adv, zero = group_advantages(np.concatenate(values, axis=-1), baseline, scale)
+    cuts = np.cumsum([v.shape[-1] for v in values])[:-1]
+    return np.split(adv, cuts, axis=-1), [zero] * len(values)

@@ -85,6 +85,8 @@ class TrainerConfig:
     """Cross mode: a completion's value over the joint actions containing it: mean | sum (CoMLRL)."""
     baseline: str = "mean"
     """Per-group baseline: mean | rloo | max | none."""
+    group_by: str = "node"
+    """What a group is: node (MAGRPO: an agent's K completions at one node) | agent_turn (AT-GRPO, arXiv:2510.11062: an agent's completions at every node of one turn of a tree)."""
     advantage_scale: str = "none"
     """none | std (divide by the group's std, no re-centring)."""
     loss_agg: str = "token_mean"
@@ -107,6 +109,16 @@ class TrainerConfig:
     """k3 KL to the reference (base model, adapter disabled); 0 = off."""
     tis_cap: float = 0.0
     """Truncated importance sampling: weight each token's loss by min(p_trainer / p_sampler, tis_cap), correcting for the generation backend's own numerics (and top-k/top-p truncation, which the trainer does not apply); 0 = off."""
+    ratio_level: str = "token"
+    """Importance ratio the clip acts on: token (PPO/GRPO) | sequence (GSPO, arXiv:2507.18071: exp of the completion's mean per-token log-ratio, one clip per completion; GSPO uses clip_eps ~3e-4 to 4e-4). Same gradient as token while the ratio is 1 (ppo_epochs = 1, no tis_cap)."""
+    clip_eps_high: Optional[float] = None
+    """Upper ratio clip 1 + clip_eps_high, lower stays 1 - clip_eps (DAPO's clip-higher, arXiv:2503.14476: 0.28 with clip_eps 0.2; logged as clip_frac_high); null = clip_eps."""
+    mask_truncated: bool = False
+    """Leave completions cut at generation.max_new_tokens (no EOS) out of the loss and its normalisers (DAPO's overlong filtering); their rewards still count in the group baselines."""
+    resample_zero_std: int = 0
+    """Dynamic sampling (DAPO's, per node): a node whose every agent group got equal immediate rewards regenerates its completions, up to this many times (train/resampled_nodes counts them); 0 = off."""
+    entropy_coef: float = 0.0
+    """Entropy bonus: subtract entropy_coef x the policy entropy per token, aggregated like the loss (keeps exploration up); 0 = off."""
     seed: int = 0
     """In [0, 2**32). Seeds python, numpy, torch, the data order and the sampling streams (one per tree, node, agent and sample: the same under any batching or number of processes)."""
     max_sequences_per_step: int = 20_000
@@ -237,6 +249,8 @@ class ExternalConfig:
 class RewardConfig:
     on_error: str = "raise"
     """When the env raises or returns NaN for a joint action: raise (stop, naming it) | zero (reward 0, no child, counted)."""
+    team_weight: float = 1.0
+    """Envs that give per-agent rewards (Scored.agent_rewards): agent i's value is team_weight x team reward + (1 - team_weight) x its own, and its returns, credit and groups use it (train/agent_{a}/reward_mean logs its own mean); 1 = the team reward alone (in [0, 1]). Early termination and trainer.expand use the team reward."""
 
 
 @dataclass

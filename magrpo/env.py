@@ -17,6 +17,7 @@ class Scored:
     reward: float
     outcomes: dict[str, float]  # named numbers for evaluation ("reward" among them; "passed" turns on pass@k)
     context: dict[str, Any] = field(default_factory=dict)  # handed to feedback functions as **context
+    agent_rewards: list[float] | None = None  # one reward per agent (reward stays the team's); mixed by reward.team_weight
 
 
 class Environment:

@@ -6,7 +6,7 @@ padding never contribute and the last completion token is scored.
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -64,6 +64,33 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tenso
     return torch.nn.functional.pad(gather_logprobs(logits[:, :-1], input_ids[:, 1:]), (1, 0))
 
 
+# log_ratio(logp, old_logp, target_mask) -> (B, L) log of the importance ratio each token is clipped with.
+RATIO_LEVELS: Registry[Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]] = Registry("ratio_level")
+
+
+@RATIO_LEVELS.register("token")
+def token_log_ratio(logp: torch.Tensor, old_logp: torch.Tensor, target_mask: torch.Tensor) -> torch.Tensor:
+    """log(pi / pi_old) of each token (PPO, GRPO)."""
+    return logp - old_logp
+
+
+@RATIO_LEVELS.register("sequence")
+def sequence_log_ratio(logp: torch.Tensor, old_logp: torch.Tensor, target_mask: torch.Tensor) -> torch.Tensor:
+    """GSPO (Zheng et al. 2025, arXiv:2507.18071): every token of a completion carries log s_i, the
+    mean of the completion's per-token log-ratios (the length-normalised sequence likelihood ratio),
+    so the whole completion is clipped together; the gradient flows through the mean."""
+    mask = target_mask.float()
+    seq = ((logp - old_logp) * mask).sum(-1) / mask.sum(-1).clamp(min=1)  # (B,)
+    return seq[:, None].expand_as(logp)
+
+
+def kept_completions(finished: Sequence[bool], mask_truncated: bool) -> list[int]:
+    """Indices of the completions that enter the loss: all, or with mask_truncated only those that
+    ended with EOS (DAPO's overlong filtering, arXiv:2503.14476: a completion cut at max_new_tokens
+    is not judged on an answer it never finished)."""
+    return [i for i, done in enumerate(finished) if done or not mask_truncated]
+
+
 def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     """Per-token k3 estimator of KL(pi || ref) (Schulman): exp(ref - logp) - (ref - logp) - 1 >= 0."""
     delta = ref_logp - logp
@@ -80,26 +107,39 @@ def policy_loss(
     ref_logp: torch.Tensor | None = None,
     kl_coef: float = 0.0,
     is_weights: torch.Tensor | None = None,
+    clip_eps_high: float | None = None,
+    ratio_level: str = "token",
+    entropy: torch.Tensor | None = None,
+    entropy_coef: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clipped surrogate (PPO/GRPO) plus optional k3 KL, aggregated with per-sequence weights.
+    """Clipped surrogate (PPO/GRPO) plus optional k3 KL and entropy bonus, aggregated with
+    per-sequence weights.
 
-    logp, old_logp, target_mask, ref_logp, is_weights: (B, L); advantages, seq_weights: (B,).
-    is_weights (detached, e.g. truncated p_trainer / p_sampler) scale the policy-gradient term only.
-    With old_logp = logp.detach() the ratio is 1 and the gradient is the plain -A * grad log p.
-    Returns the scalar loss and detached token sums for logging (clipped tokens, KL).
+    logp, old_logp, target_mask, ref_logp, is_weights, entropy: (B, L); advantages, seq_weights: (B,).
+    The ratio is clipped to [1 - clip_eps, 1 + clip_eps_high] (clip_eps_high None: clip_eps), per
+    token or per sequence (`RATIO_LEVELS`). is_weights (detached, e.g. truncated p_trainer /
+    p_sampler) scale the policy-gradient term only. `entropy` (with gradient) enters as
+    -entropy_coef * entropy per token. With old_logp = logp.detach() the ratio is 1 and the gradient
+    is the plain -A * grad log p. Returns the scalar loss and detached token sums for logging
+    (clipped tokens, those clipped at the upper bound, KL).
     """
+    high = clip_eps if clip_eps_high is None else clip_eps_high
     mask = target_mask.float()
-    ratio = torch.exp(logp - old_logp)
+    ratio = torch.exp(RATIO_LEVELS.get(ratio_level)(logp, old_logp, target_mask))
     adv = advantages[:, None]
     unclipped = ratio * adv
-    clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * adv
+    clipped = torch.clamp(ratio, 1 - clip_eps, 1 + high) * adv
     per_token = -torch.minimum(unclipped, clipped)
     if is_weights is not None:
         per_token = per_token * is_weights
     weights = seq_weights[:, None] * mask
     # Tokens whose gradient the clip removes: ratio beyond the trust region in the advantage's direction.
-    is_clipped = ((ratio > 1 + clip_eps) & (adv > 0)) | ((ratio < 1 - clip_eps) & (adv < 0))
-    stats = {"clipped_tokens": (is_clipped.float() * mask).sum().detach()}
+    clipped_high = (ratio > 1 + high) & (adv > 0)
+    is_clipped = clipped_high | ((ratio < 1 - clip_eps) & (adv < 0))
+    stats = {"clipped_tokens": (is_clipped.float() * mask).sum().detach(),
+             "clipped_high_tokens": (clipped_high.float() * mask).sum().detach()}
+    if entropy is not None and entropy_coef > 0:
+        per_token = per_token - entropy_coef * entropy
     if ref_logp is not None and kl_coef > 0:
         kl = k3_kl(logp, ref_logp)
         per_token = per_token + kl_coef * kl

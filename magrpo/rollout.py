@@ -8,7 +8,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from .advantage import agent_credit, group_advantages, tree_returns
+from .advantage import GROUP_BY, agent_credit, all_groups_flat, mix_rewards, own_values, pooled_advantages, tree_returns
 from .env import Environment, Scored, call_env
 from .errors import RewardError, describe, qualified_name
 from .feedback import Branch
@@ -25,23 +25,27 @@ class TreeSettings:
     early_termination_threshold: float | None = None
     on_reward_error: str = "raise"  # raise | zero (the joint action scores 0 and gets no child)
     expand: str = "all"  # all | top:M | random:M: which joint actions of a node get a child (tree.expanded)
+    resample_zero_std: int = 0  # regenerate a node whose agent groups all got equal rewards, up to this many times
+    cross_credit: str = "mean"  # how a completion is credited when checking its group for zero variance
+    team_weight: float = 1.0  # with per-agent rewards: each agent's value = w x team + (1 - w) x its own
 
     @classmethod
     def of(cls, cfg: Any) -> "TreeSettings":
-        """From a TrainConfig's trainer.* and reward.on_error."""
+        """From a TrainConfig's trainer.* and reward.*."""
         t = cfg.trainer
         return cls(t.num_generations, t.num_turns, t.joint_mode, t.early_termination_threshold, cfg.reward.on_error,
-                   t.expand)
+                   t.expand, t.resample_zero_std, t.cross_credit, cfg.reward.team_weight)
 
 
 EXPAND_DRAWS = 0x45585044  # a stream domain of its own for random:M (never a sampling stream's key)
+RESAMPLE_DRAWS = 0x52534D50  # the same for the regenerated samples of dynamic sampling
 
 
 def score_guarded(env: Environment, owners: list, texts: list, on_error: str, turn: int) -> tuple[list[Scored], list[bool]]:
     """env.score over a whole turn; on failure, each joint action alone, to name (raise) or zero the bad ones."""
     try:
         scored = env.score(owners, texts)
-        if all(np.isfinite(s.reward) for s in scored):
+        if all(bad_score(s, len(t)) is None for s, t in zip(scored, texts)):
             return scored, [False] * len(scored)
     except Exception:  # noqa: BLE001  (any env error: find the joint action that caused it)
         pass
@@ -49,7 +53,7 @@ def score_guarded(env: Environment, owners: list, texts: list, on_error: str, tu
     for i, (owner, joint_texts) in enumerate(zip(owners, texts)):
         try:
             (one,) = env.score([owner], [joint_texts])
-            error = None if np.isfinite(one.reward) else f"non-finite reward {one.reward}"
+            error = bad_score(one, len(joint_texts))
         except Exception as e:  # noqa: BLE001
             error = describe(e)
         if error is not None and on_error == "raise":
@@ -60,6 +64,17 @@ def score_guarded(env: Environment, owners: list, texts: list, on_error: str, tu
         out.append(one if error is None else Scored(0.0, {"reward": 0.0}))
         failed.append(error is not None)
     return out, failed
+
+
+def bad_score(scored: Scored, num_agents: int) -> str | None:
+    """Why a score cannot be used (a non-finite reward, per-agent rewards that are not one finite
+    number per agent), or None."""
+    if not np.isfinite(scored.reward):
+        return f"non-finite reward {scored.reward}"
+    own = scored.agent_rewards
+    if own is not None and (len(own) != num_agents or not np.all(np.isfinite(np.asarray(own, dtype=np.float64)))):
+        return f"agent_rewards must be {num_agents} finite numbers (one per agent), got {own!r}"
+    return None
 
 
 def problem_name(problem: Mapping[str, Any]) -> str:
@@ -73,6 +88,7 @@ class Rollout:
     timings: dict[str, float] = field(default_factory=dict)  # gen_s, reward_s, feedback_s
     terminated_per_turn: list[int] = field(default_factory=list)
     reward_errors: int = 0  # joint actions scored 0 because the env failed on them (reward.on_error=zero)
+    resampled_nodes: int = 0  # node regenerations by dynamic sampling (a node regenerated twice counts 2)
 
 
 def expand_trees(
@@ -101,28 +117,67 @@ def expand_trees(
                           prompt_history=[[p] for p in prompts], response_history=[[] for _ in range(n)],
                           stream=None if seed is None else stream_key(seed, tree_offset + b)))
     rollout = Rollout(problems=problems, nodes=nodes, timings={"gen_s": 0.0, "reward_s": 0.0, "feedback_s": 0.0})
+
+    def generate(at: list[Node], attempt: int) -> None:
+        """One backend call for every agent of every node in `at`; attempt > 0: dynamic sampling's
+        regenerations, from streams of their own."""
+        def key(node: Node, a: int) -> int | None:
+            if node.stream is None:
+                return None
+            return stream_key(node.stream, a) if attempt == 0 else stream_key(node.stream, RESAMPLE_DRAWS, attempt, a)
+
+        samples = backend.generate([GenerationRequest(node.prompts[a], a, k, key(node, a)) for node in at for a in range(n)],
+                                   sampling)
+        for i, node in enumerate(at):
+            node.completions = samples[i * n : (i + 1) * n]
+            node.joint = joint
+
+    def score(at: list[Node], turn: int) -> tuple[list[Scored], np.ndarray, np.ndarray]:
+        """One env call for every joint action of the nodes in `at`: scores, (nodes, J) rewards and
+        failures. Sets each node's (J, N) per-agent rewards (None when the env gave none; a joint
+        action without them gives every agent the team reward)."""
+        texts = [[node.completions[a][j[a]].text for a in range(n)] for node in at for j in joint]
+        owners = [problems[node.tree] for node in at for _ in joint]
+        scored, failed = score_guarded(env, owners, texts, tree.on_reward_error, turn)
+        rewards = np.asarray([s.reward for s in scored], dtype=np.float64).reshape(len(at), len(joint))
+        per_agent = any(s.agent_rewards is not None for s in scored)
+        own = np.asarray([s.agent_rewards if s.agent_rewards is not None else [s.reward] * n for s in scored],
+                         dtype=np.float64).reshape(len(at), len(joint), n) if per_agent else None
+        for i, node in enumerate(at):
+            node.agent_rewards = None if own is None else own[i]
+        return scored, rewards, np.asarray(failed, dtype=bool).reshape(len(at), len(joint))
+
     for turn in range(tree.num_turns):
         first_id = len(nodes)
         nodes.extend(level)
 
         # 1) generate: one backend call for every agent of every node of this turn
         t0 = time.perf_counter()
-        requests = [GenerationRequest(node.prompts[a], a, k, None if node.stream is None else stream_key(node.stream, a))
-                    for node in level for a in range(n)]
-        samples = backend.generate(requests, sampling)
-        for i, node in enumerate(level):
-            node.completions = samples[i * n : (i + 1) * n]
-            node.joint = joint
+        generate(level, 0)
         t1 = time.perf_counter()
 
         # 2) score: one env call for every joint action of this turn
-        texts = [[node.completions[a][j[a]].text for a in range(n)] for node in level for j in joint]
-        owners = [problems[node.tree] for node in level for _ in joint]
-        scored, failed = score_guarded(env, owners, texts, tree.on_reward_error, turn)
-        rewards = np.asarray([s.reward for s in scored], dtype=np.float64).reshape(len(level), len(joint))
-        failed = np.asarray(failed, dtype=bool).reshape(len(level), len(joint))
-        rollout.reward_errors += int(failed.sum())
+        scored, rewards, failed = score(level, turn)
         t2 = time.perf_counter()
+        gen_s, reward_s = t1 - t0, t2 - t1
+
+        # 2b) dynamic sampling: regenerate the nodes whose every agent group got equal rewards
+        for attempt in range(1, tree.resample_zero_std + 1):
+            flat = [i for i in range(len(level)) if all_groups_flat(
+                joint, own_values(rewards[i], level[i].agent_rewards, tree.team_weight), k, tree.cross_credit)]
+            if not flat:
+                break
+            t0 = time.perf_counter()
+            generate([level[i] for i in flat], attempt)
+            t1 = time.perf_counter()
+            again, again_rewards, again_failed = score([level[i] for i in flat], turn)
+            for row, i in enumerate(flat):
+                scored[i * len(joint) : (i + 1) * len(joint)] = again[row * len(joint) : (row + 1) * len(joint)]
+                rewards[i], failed[i] = again_rewards[row], again_failed[row]
+            rollout.resampled_nodes += len(flat)
+            t2 = time.perf_counter()
+            gen_s, reward_s = gen_s + t1 - t0, reward_s + t2 - t1
+        rollout.reward_errors += int(failed.sum())
 
         # 3) expand: joint actions that are neither at the turn limit nor terminated get a child;
         #    the feedback layer sees all of this turn's expanding branches at once
@@ -163,8 +218,8 @@ def expand_trees(
                 stream=None if level[i].stream is None else stream_key(level[i].stream, j),
             ))
         rollout.terminated_per_turn.append(terminated)
-        rollout.timings["gen_s"] += t1 - t0
-        rollout.timings["reward_s"] += t2 - t1
+        rollout.timings["gen_s"] += gen_s
+        rollout.timings["reward_s"] += reward_s
         rollout.timings["feedback_s"] += time.perf_counter() - t2
         level = next_level
         if not level:
@@ -205,15 +260,40 @@ def merge_rollouts(parts: Sequence[Rollout]) -> Rollout:
         terminated_per_turn=[sum(part.terminated_per_turn[t] for part in parts if t < len(part.terminated_per_turn))
                              for t in range(turns)],
         reward_errors=sum(part.reward_errors for part in parts),
+        resampled_nodes=sum(part.resampled_nodes for part in parts),
     )
 
 
-def assign_advantages(nodes: list[Node], discount: float, cross_credit: str, baseline: str, scale: str) -> np.ndarray:
-    """Fill node.returns, node.advantages and node.zero_std; returns the (nodes, N) zero-variance-group mask."""
-    returns = tree_returns([node.rewards for node in nodes], [node.children for node in nodes], discount)
-    for node, g in zip(nodes, returns):
-        node.returns = g
-        k = len(node.completions[0])
-        values = agent_credit(node.joint, g, k, cross_credit)  # (N, K)
-        node.advantages, node.zero_std = group_advantages(values, baseline, scale)
+def assign_advantages(nodes: list[Node], discount: float, cross_credit: str, baseline: str, scale: str,
+                      group_by: str = "node", team_weight: float = 1.0) -> np.ndarray:
+    """Fill node.returns (team), node.agent_returns (per agent: only with per-agent rewards and
+    team_weight < 1), node.advantages and node.zero_std; returns the (nodes, N) zero-variance-group mask."""
+    children = [node.children for node in nodes]
+    returns = tree_returns([node.rewards for node in nodes], children, discount)
+    own = agent_rewards_of(nodes, team_weight)
+    per_agent: list[np.ndarray | None] = [None] * len(nodes)
+    if own is not None:  # every agent's returns flow up the tree from its own rewards
+        columns = [tree_returns([o[:, a] for o in own], children, discount) for a in range(own[0].shape[1])]
+        per_agent = [np.stack([column[m] for column in columns], axis=1) for m in range(len(nodes))]
+    values = []
+    for node, g, mine in zip(nodes, returns, per_agent):
+        node.returns, node.agent_returns = g, mine
+        values.append(agent_credit(node.joint, g if mine is None else mine, len(node.completions[0]), cross_credit))  # (N, K)
+    pools: dict = {}
+    group_key = GROUP_BY.get(group_by)
+    for m, node in enumerate(nodes):
+        pools.setdefault(group_key(m, node.tree, node.turn), []).append(m)
+    for members in pools.values():
+        advantages, zero_std = pooled_advantages([values[m] for m in members], baseline, scale)
+        for m, adv, zero in zip(members, advantages, zero_std):
+            nodes[m].advantages, nodes[m].zero_std = adv, zero
     return np.array([node.zero_std for node in nodes])
+
+
+def agent_rewards_of(nodes: list[Node], team_weight: float) -> list[np.ndarray] | None:
+    """Each node's (J, N) per-agent rewards mixed with the team reward; None (the team reward alone)
+    when no node has per-agent rewards or team_weight is 1."""
+    if team_weight == 1 or all(node.agent_rewards is None for node in nodes):
+        return None
+    return [mix_rewards(node.rewards, node.agent_rewards if node.agent_rewards is not None else
+                        np.repeat(node.rewards[:, None], len(node.completions), axis=1), team_weight) for node in nodes]

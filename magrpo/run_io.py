@@ -98,6 +98,7 @@ def tree_records(step: int, problems: Sequence[Mapping[str, Any]], nodes: list[N
                     "return": float(node.returns[j]),
                     "terminated": bool(node.terminated[j]),
                     "child": None,  # filled below once the child's local id is known
+                    **per_agent(node, j),
                 }
                 for j in range(len(node.joint))
             ],
@@ -109,6 +110,16 @@ def tree_records(step: int, problems: Sequence[Mapping[str, Any]], nodes: list[N
     return [
         {"step": step, "tree": t, "problem": dict(problems[t]), "nodes": per_tree[t]} for t in sorted(per_tree)
     ]
+
+
+def per_agent(node: Node, j: int) -> dict[str, list[float]]:
+    """Joint action j's per-agent rewards and returns, when the env gave them (absent otherwise)."""
+    out = {}
+    if node.agent_rewards is not None:
+        out["agent_rewards"] = node.agent_rewards[j].tolist()
+    if node.agent_returns is not None:
+        out["agent_returns"] = node.agent_returns[j].tolist()
+    return out
 
 
 def wandb_mode(setting: str) -> str:

@@ -20,6 +20,7 @@ from .errors import ConfigError, TrainingError, log_traceback
 from .evaluation import evaluate
 from .feedback import Feedback
 from .generation import SamplingParams
+from .loss import kept_completions
 from .guards import BadSteps, Halvable, oom_retry
 from .metrics import Counter, Maximum, reduce_over_ranks
 from .rollout import (
@@ -122,7 +123,8 @@ def _train(cfg: TrainConfig, env: Environment, feedback: Feedback, world: World)
             run.log(0, {**run.evaluate(0), **run.own_metrics(feedback.metrics(), run.backend.metrics())})
         for step in range(run.first_step, trainer.steps + 1):
             rollout, collected = run.collect(step)                      # expand this rank's trees
-            assign_advantages(rollout.nodes, trainer.discount, trainer.cross_credit, trainer.baseline, trainer.advantage_scale)
+            assign_advantages(rollout.nodes, trainer.discount, trainer.cross_credit, trainer.baseline,
+                              trainer.advantage_scale, trainer.group_by, cfg.reward.team_weight)
             agent_stats, update_s = run.update(rollout)                 # each agent's LoRA on its own tokens
             run.bad_steps.check(step, agent_stats)
             metrics, whole = run.step_metrics(step, rollout, agent_stats, collected, update_s)
@@ -215,10 +217,10 @@ class Run:
         self.backend.sleep()
         agent_stats = []
         for agent, updater in zip(self.agents, self.updaters):
-            samples = _samples_of(rollout, agent.index)
+            samples = _samples_of(rollout, agent.index, self.cfg.trainer.mask_truncated)
             # Taken once, outside the retry: a rank that retries after an out-of-memory (in its forward
             # or backward) then meets the others at the gradient all-reduce.
-            counts = updater.batch_counts(samples, self.update_settings.kl_coef, self.world)
+            counts = updater.batch_counts(samples, self.update_settings.per_token_coef, self.world)
             agent_stats.append(oom_retry(
                 lambda: updater.step(samples, self.update_settings, self.micro_batch.value, self.world, counts),
                 self.micro_batch.halve, self.micro_batch.setting))
@@ -314,12 +316,11 @@ class Run:
             self.writer.log_adapters(self.dir / "adapters")
 
 
-def _samples_of(rollout: Rollout, agent: int) -> list[TrainSample]:
-    return [
-        TrainSample(c.prompt_ids, c.token_ids, float(node.advantages[agent, k]), c.logprobs)
-        for node in rollout.nodes
-        for k, c in enumerate(node.completions[agent])
-    ]
+def _samples_of(rollout: Rollout, agent: int, mask_truncated: bool = False) -> list[TrainSample]:
+    completions = [(node, k, c) for node in rollout.nodes for k, c in enumerate(node.completions[agent])]
+    kept = kept_completions([c.finished for _, _, c in completions], mask_truncated)
+    return [TrainSample(c.prompt_ids, c.token_ids, float(node.advantages[agent, k]), c.logprobs)
+            for node, k, c in (completions[i] for i in kept)]
 
 
 def _whole_batch_metrics(parts: list[dict], agent_stats: list[dict], num_turns: int) -> tuple[Rollout, dict[str, float]]:
@@ -328,6 +329,7 @@ def _whole_batch_metrics(parts: list[dict], agent_stats: list[dict], num_turns: 
     whole = merge_rollouts([part["rollout"] for part in parts])  # nodes keep the advantages their rank gave them
     metrics = _metrics(whole, agent_stats, num_turns)
     metrics["train/reward_errors"] = whole.reward_errors
+    metrics["train/resampled_nodes"] = whole.resampled_nodes
     totals = reduce_over_ranks([{"tokens": part["tokens"], "mem": part["mem"]} for part in parts])
     metrics.update({
         "perf/tokens_per_s": totals["tokens"] / max(whole.timings["gen_s"], 1e-9),
@@ -364,6 +366,10 @@ def _metrics(rollout: Rollout, agent_stats: list[dict], num_turns: int) -> dict[
             out[f"train/agent_{a}/{key}"] = value
         out[f"train/agent_{a}/adv_abs_mean"] = float(np.mean([np.abs(n.advantages[a]).mean() for n in nodes]))
         out[f"train/agent_{a}/frac_zero_std"] = float(zero_std[:, a].mean())
+        out[f"train/agent_{a}/truncated_frac"] = float(np.mean([not c.finished for n in nodes for c in n.completions[a]]))
+        own = [n.agent_rewards[:, a] for n in nodes if n.agent_rewards is not None]
+        if own:  # the env gives per-agent rewards: agent a's own, before mixing with the team's
+            out[f"train/agent_{a}/reward_mean"] = float(np.concatenate(own).mean())
     return out
 
 

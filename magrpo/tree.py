@@ -96,11 +96,13 @@ class Node:
     response_history: list[list[str]]  # per agent, this branch's chosen completions before this turn
     completions: list[list[Completion]] = field(default_factory=list)  # [agent][k]
     joint: np.ndarray | None = None  # (J, N) completion index per agent
-    rewards: np.ndarray | None = None  # (J,)
+    rewards: np.ndarray | None = None  # (J,) the team reward
+    agent_rewards: np.ndarray | None = None  # (J, N) each agent's own reward, when the env gives them
     outcomes: list[dict[str, float]] = field(default_factory=list)  # (J,) the env's named numbers
     terminated: np.ndarray | None = None  # (J,) bool: early termination stopped this branch
     children: list[int | None] = field(default_factory=list)  # (J,) child node id or None (leaf)
-    returns: np.ndarray | None = None  # (J,)
+    returns: np.ndarray | None = None  # (J,) from the team rewards
+    agent_returns: np.ndarray | None = None  # (J, N) from each agent's mixed rewards (reward.team_weight < 1)
     advantages: np.ndarray | None = None  # (N, K)
     zero_std: np.ndarray | None = None  # (N,) bool: the agent's group at this node had no reward variance
     stream: int | None = None  # random-stream key of this node (from the run seed, step, tree and path)

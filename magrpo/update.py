@@ -78,12 +78,13 @@ def pack(samples: list[TrainSample], pad_id: int) -> PackedBatch:
     )
 
 
-def forward_logprobs(model: torch.nn.Module, batch: PackedBatch, temperature: float = 1.0,
-                     with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+def forward_logprobs(model: torch.nn.Module, batch: PackedBatch, temperature: float = 1.0, with_entropy: bool = False,
+                     entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(R, C) log p(completion token t | prompt, tokens < t) under the sampling temperature (logits /
     temperature, as the tokens were drawn; TRL and verl score the same way); read with
     batch.target_mask. Logits are computed for completion positions only: long prompts cost no
-    lm_head work. With `with_entropy`, also the (R, C) policy entropy per position (no gradient)."""
+    lm_head work. With `with_entropy`, also the (R, C) policy entropy per position (with its gradient
+    when entropy_grad: the entropy bonus)."""
     out = model(input_ids=batch.prompt_ids, attention_mask=batch.prompt_mask,
                 position_ids=(batch.prompt_mask.cumsum(-1) - 1).clamp(min=0), use_cache=True, logits_to_keep=1)
     logits = out.logits[batch.expand]  # (R, 1, V): predicts completion token 0
@@ -95,7 +96,7 @@ def forward_logprobs(model: torch.nn.Module, batch: PackedBatch, temperature: fl
         logits = torch.cat([logits, rest], dim=1)
     if temperature != 1.0:
         logits = logits.float() / temperature
-    entropy = token_entropy(logits.detach()) if with_entropy else None
+    entropy = token_entropy(logits if entropy_grad else logits.detach()) if with_entropy else None
     return gather_logprobs(logits, batch.targets), entropy
 
 
@@ -148,7 +149,8 @@ def lora_train_mode(model: torch.nn.Module) -> None:
 
 
 def trained_rows(samples: list[TrainSample], kl_coef: float) -> list[int]:
-    """Zero-advantage sequences add nothing to the policy gradient: skip their forward unless KL needs it."""
+    """Zero-advantage sequences add nothing to the policy gradient: skip their forward unless a
+    per-token term needs it (kl_coef: the sum of the KL and entropy coefficients)."""
     return [i for i, s in enumerate(samples) if s.advantage != 0.0 or kl_coef > 0]
 
 
@@ -164,12 +166,20 @@ class UpdateSettings:
     max_grad_norm: float = 1.0
     tis_cap: float = 0.0
     temperature: float = 1.0  # the sampling temperature: log-probs are scored under it
+    clip_eps_high: float | None = None  # None: clip_eps
+    ratio_level: str = "token"  # token | sequence (GSPO)
+    entropy_coef: float = 0.0
+
+    @property
+    def per_token_coef(self) -> float:
+        """Nonzero when a per-token term (KL, entropy bonus) trains zero-advantage rows too."""
+        return self.kl_coef + self.entropy_coef
 
     @classmethod
     def of(cls, cfg) -> "UpdateSettings":
         t = cfg.trainer
         return cls(t.loss_agg, cfg.generation.max_new_tokens, t.ppo_epochs, t.clip_eps, t.kl_coef, t.max_grad_norm,
-                   t.tis_cap, cfg.generation.temperature)
+                   t.tis_cap, cfg.generation.temperature, t.clip_eps_high, t.ratio_level, t.entropy_coef)
 
 
 class AgentUpdater:
@@ -195,8 +205,8 @@ class AgentUpdater:
         model, agent = self.agent.model, self.agent
         device = next(model.parameters()).device
         lengths = torch.tensor([len(s.completion_ids) for s in samples], dtype=torch.long)
-        keep = trained_rows(samples, s.kl_coef)
-        num_sequences, num_tokens, num_kept = counts or self.batch_counts(samples, s.kl_coef, world)
+        keep = trained_rows(samples, s.per_token_coef)
+        num_sequences, num_tokens, num_kept = counts or self.batch_counts(samples, s.per_token_coef, world)
         weights = sequence_weights(s.loss_agg, lengths, s.max_new_tokens, int(num_sequences), int(num_tokens))
         batches = micro_batches(samples, keep, micro_batch_size)
         model.set_adapter(agent.adapter)  # also makes only this adapter trainable
@@ -204,7 +214,7 @@ class AgentUpdater:
         old_logps: list[torch.Tensor] = []
         ref_logps: list[torch.Tensor | None] = []
         is_weights: list[torch.Tensor | None] = []
-        totals = {"loss": 0.0, "clipped_tokens": 0.0, "kl_sum": 0.0, "entropy_sum": 0.0}
+        totals = {"loss": 0.0, "clipped_tokens": 0.0, "clipped_high_tokens": 0.0, "kl_sum": 0.0, "entropy_sum": 0.0}
         mismatch = dict.fromkeys(MISMATCH_KEYS, 0.0)
         grad_norm = 0.0
         skipped = 0
@@ -213,9 +223,11 @@ class AgentUpdater:
             for b, rows in enumerate(batches):
                 batch = pack([samples[i] for i in rows], agent.tokenizer.pad_token_id).to(device)
                 adv = torch.tensor([samples[i].advantage for i in rows], dtype=torch.float32, device=device)
-                logp, entropy = forward_logprobs(model, batch, s.temperature, with_entropy=epoch == 0)
+                bonus = s.entropy_coef > 0  # the entropy bonus needs the entropy, with its gradient, every epoch
+                logp, entropy = forward_logprobs(model, batch, s.temperature, with_entropy=epoch == 0 or bonus,
+                                                 entropy_grad=bonus)
                 if epoch == 0:  # parameters have not moved yet: these are the behaviour log-probs
-                    totals["entropy_sum"] += float((entropy * batch.target_mask).sum())
+                    totals["entropy_sum"] += float((entropy.detach() * batch.target_mask).sum())
                     old_logps.append(logp.detach())
                     ref_logps.append(self._reference_logprobs(batch, s.temperature) if s.kl_coef > 0 else None)
                     weight, seen = importance_weights(logp.detach(), [samples[i] for i in rows], batch.target_mask,
@@ -224,10 +236,11 @@ class AgentUpdater:
                     for key, value in seen.items():
                         mismatch[key] += value
                 loss, stats = policy_loss(logp, old_logps[b], adv, batch.target_mask, weights[rows].to(device),
-                                          s.clip_eps, ref_logps[b], s.kl_coef, is_weights[b])
+                                          s.clip_eps, ref_logps[b], s.kl_coef, is_weights[b], s.clip_eps_high,
+                                          s.ratio_level, entropy if bonus else None, s.entropy_coef)
                 loss.backward()
                 if epoch == s.ppo_epochs - 1:
-                    for key in ("loss", "clipped_tokens", "kl_sum"):
+                    for key in ("loss", "clipped_tokens", "clipped_high_tokens", "kl_sum"):
                         totals[key] += float(stats.get(key, 0.0))
             if world.size > 1 and num_kept:  # no rank trained a row: no gradient anywhere, as in one process
                 self._sum_gradients(world)
@@ -247,6 +260,7 @@ class AgentUpdater:
         out = {
             "loss": summed["loss"],
             "clip_frac": summed["clipped_tokens"] / tokens,
+            "clip_frac_high": summed["clipped_high_tokens"] / tokens,
             "kl": summed["kl_sum"] / tokens,
             "grad_norm": grad_norm,
             "lr": lr,

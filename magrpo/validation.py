@@ -70,6 +70,7 @@ def validate(cfg: TrainConfig) -> None:
     choice("trainer.baseline", t.baseline, BASELINES.names())
     choice("trainer.advantage_scale", t.advantage_scale, SCALES.names())
     choice("trainer.loss_agg", t.loss_agg, LOSS_AGGS.names())
+    check_loss_credit_options(cfg)
 
     g = cfg.generation
     at_least("generation.max_new_tokens", g.max_new_tokens, 1)
@@ -120,6 +121,23 @@ def validate(cfg: TrainConfig) -> None:
     for i, name in enumerate([cfg.model.name] + [a.model for a in cfg.agents if a.model]):
         key = "model.name" if i == 0 else "agents[].model"
         _check_model_name(key, name)
+
+
+def check_loss_credit_options(cfg: TrainConfig) -> None:
+    """The loss and credit options: trainer.ratio_level, group_by, clip_eps_high, resample_zero_std,
+    entropy_coef and reward.team_weight."""
+    from .advantage import GROUP_BY
+    from .loss import RATIO_LEVELS
+
+    t = cfg.trainer
+    choice("trainer.ratio_level", t.ratio_level, RATIO_LEVELS.names())
+    choice("trainer.group_by", t.group_by, GROUP_BY.names())
+    if t.clip_eps_high is not None:
+        above("trainer.clip_eps_high", t.clip_eps_high, 0)
+    at_least("trainer.resample_zero_std", t.resample_zero_std, 0)
+    at_least("trainer.entropy_coef", t.entropy_coef, 0.0)
+    if not 0 <= cfg.reward.team_weight <= 1:
+        raise ConfigError("reward.team_weight", f"must be in [0, 1], got {cfg.reward.team_weight}")
 
 
 def step_size(cfg: TrainConfig, num_agents: int) -> tuple[int, int]:
