@@ -23,14 +23,15 @@ import os
 import random
 import shutil
 import sys
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
 
-from .config import ConfigError, flatten, under
-from .errors import describe
+from .config import TrainConfig, flatten, under
+from .errors import ConfigError, describe
 from .run_io import LOGS, repair_log, set_aside_logs
 
 PREFIX = "step_"
@@ -157,12 +158,32 @@ ABSENT = "<absent>"
 
 
 def config_changes(stored: dict[str, Any], current: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
-    """Keys whose values differ (a key set on one side only included), other than SAFE_TO_CHANGE."""
-    old = flatten(json.loads(json.dumps(stored, default=str)))  # the JSON round trip the stored one took
-    new = flatten(json.loads(json.dumps(current, default=str)))
+    """Keys whose values differ (a key set on one side only included), other than SAFE_TO_CHANGE. A
+    key the checkpoint lacks because magrpo added it later is no change while it keeps its default:
+    the run goes on as it was."""
+    old = _plain(stored)  # the JSON round trip the stored one took
+    new = _plain(current)
+    added_later = {k: v for k, v in schema_defaults(current).items() if k not in old}
+    old.update(added_later)
     keys = sorted(set(old) | set(new))
     return {k: (old.get(k, ABSENT), new.get(k, ABSENT)) for k in keys
             if old.get(k, ABSENT) != new.get(k, ABSENT) and not under(k, SAFE_TO_CHANGE)}
+
+
+def _plain(config: dict[str, Any]) -> dict[str, Any]:
+    return flatten(json.loads(json.dumps(config, default=str)))
+
+
+def schema_defaults(config: dict[str, Any]) -> dict[str, Any]:
+    """Dotted key -> default of every TrainConfig key, and of the selected env's Config keys."""
+    from .env import ENVS
+
+    defaults = _plain(asdict(TrainConfig()))
+    defaults = {k: v for k, v in defaults.items() if not under(k, ["env"])}
+    name = (config.get("env") or {}).get("name")
+    if name in ENVS:
+        defaults.update(_plain({"env": {"name": name, **asdict(ENVS.get(name).Config())}}))
+    return defaults
 
 
 def check_config(path: Path, stored: dict[str, Any], current: dict[str, Any]) -> None:
