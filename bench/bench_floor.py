@@ -1,0 +1,186 @@
+"""How far a training step is from its floor, phase by phase (HF backend).
+
+Runs `--steps` training steps of a config (any `train.py` overrides) and records what the step
+actually did: every decode call (its rows' prompt ids and completion lengths) and every agent's
+update (its samples). Then it times the floor of the same work on the same model:
+
+- generate: one plain `model.generate` per recorded decode call, over exactly those rows (the same
+  batch size, each row its own prompt), forced to decode exactly as many tokens as the call did
+  (its longest completion), sampling with the run's temperature / top-p / top-k, the agent's adapter on;
+- update: one forward and backward per recorded micro-batch size over the same prompt + completion
+  tokens (log-probs of the completion tokens summed), no optimizer step.
+
+Scoring and feedback have no floor here (the env's and feedback's own work); they are printed as
+measured. The first step is a warm-up and is left out of the means when there are more steps.
+
+    .venv/bin/python bench/bench_floor.py                                   # tiny model, toy env
+    .venv/bin/python bench/bench_floor.py --steps 2 model=smollm2-135m env=code trainer.batch_size=1
+
+It prints numbers and asserts nothing; run it on an otherwise idle machine.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+DEFAULTS = ["env=length_ratio", "model=tiny", "external=length_ratio", "trainer.batch_size=4",
+            "trainer.num_generations=4", "trainer.num_turns=2", "generation.max_new_tokens=32"]
+QUIET = ["eval.at_end=false", "logging.wandb.mode=disabled", "logging.progress=false", "logging.samples_every=0",
+         "logging.rollouts=false", "model.device=cpu"]
+
+
+class Recorder:
+    """Wraps the HF backend's decode and the updater's step to keep what they were given."""
+
+    def __init__(self):
+        self.decodes: list[dict] = []  # per decode call: rows' prompt ids, completion lengths, model
+        self.updates: list[dict] = []  # per agent update: samples, micro-batch size, model, step index
+        self.step = 0
+
+    def install(self):
+        from magrpo.hf_backend import HFBackend
+        from magrpo.update import AgentUpdater
+
+        recorder, real_rows, real_step = self, HFBackend._generate_rows, AgentUpdater.step
+
+        def generate_rows(backend, requests, rows, keys, prompt_ids, params):
+            completions = real_rows(backend, requests, rows, keys, prompt_ids, params)
+            agent = backend.agents[requests[rows[0]].agent]
+            recorder.decodes.append({"step": recorder.step, "agent": agent, "params": params,
+                                     "prompts": [prompt_ids[r] for r in rows],
+                                     "lengths": [len(c.token_ids) for c in completions]})
+            return completions
+
+        def step(updater, samples, settings, micro_batch_size, *args, **kwargs):
+            recorder.updates.append({"step": recorder.step, "agent": updater.agent, "samples": list(samples),
+                                     "micro": micro_batch_size})
+            return real_step(updater, samples, settings, micro_batch_size, *args, **kwargs)
+
+        HFBackend._generate_rows, AgentUpdater.step = generate_rows, step
+        return lambda: (setattr(HFBackend, "_generate_rows", real_rows), setattr(AgentUpdater, "step", real_step))
+
+
+def floor_generate(call: dict) -> float:
+    agent, params = call["agent"], call["params"]
+    model, tok = agent.model, agent.tokenizer
+    width = max(len(p) for p in call["prompts"])
+    ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in call["prompts"]])
+    mask = (ids != tok.pad_token_id).long()
+    for row, p in enumerate(call["prompts"]):
+        mask[row, width - len(p):] = 1  # a prompt may contain the pad id itself
+    steps = max(call["lengths"])
+    model.set_adapter(agent.adapter)
+    sampling = {"do_sample": True, "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k or None}
+    start = time.perf_counter()
+    with torch.no_grad():
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps,
+                       pad_token_id=tok.pad_token_id, **sampling)
+    return time.perf_counter() - start
+
+
+def floor_update(update: dict) -> float:
+    agent, samples, micro = update["agent"], update["samples"], update["micro"]
+    model, pad = agent.model, agent.tokenizer.pad_token_id
+    model.set_adapter(agent.adapter)
+    start = time.perf_counter()
+    for lo in range(0, len(samples), micro):
+        part = samples[lo: lo + micro]
+        seqs = [s.prompt_ids + s.completion_ids for s in part]
+        width = max(len(s) for s in seqs)
+        ids = torch.tensor([s + [pad] * (width - len(s)) for s in seqs])
+        mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
+        targets = torch.zeros_like(ids, dtype=torch.bool)
+        for row, s in enumerate(part):
+            targets[row, len(s.prompt_ids): len(s.prompt_ids) + len(s.completion_ids)] = True
+        logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1]
+        logp = torch.log_softmax(logits.float(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+        (logp * targets[:, 1:]).sum().backward()
+    model.zero_grad(set_to_none=True)
+    return time.perf_counter() - start
+
+
+def measure(overrides: list[str], steps: int) -> dict[str, dict[str, float]]:
+    """{phase: {"step": mean seconds, "floor": mean seconds or None}} over the measured steps."""
+    import magrpo.envs  # noqa: F401
+    import magrpo.external  # noqa: F401
+    from magrpo.cli import compose
+    from magrpo.trainer import train
+
+    recorder = Recorder()
+    uninstall = recorder.install()
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = compose([*DEFAULTS, *overrides, *QUIET, f"trainer.steps={steps}", f"logging.run_dir={tmp}/run"])
+        import magrpo.trainer as trainer_module
+
+        real_collect = trainer_module.Run.collect
+
+        def collect(run, step):
+            recorder.step = step
+            return real_collect(run, step)
+
+        trainer_module.Run.collect = collect
+        try:
+            run_dir = train(cfg)
+        finally:
+            trainer_module.Run.collect = real_collect
+            uninstall()
+        metrics = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+        measured = [m for m in metrics if m["step"] >= (2 if steps > 1 else 1)]
+        per_step = {step: {"generate": 0.0, "update": 0.0} for step in range(1, steps + 1)}
+        for call in recorder.decodes:
+            per_step[call["step"]]["generate"] += floor_generate(call)
+        for update in recorder.updates:
+            per_step[update["step"]]["update"] += floor_update(update)
+    kept = [per_step[m["step"]] for m in measured]
+
+    def mean(values):
+        return statistics.fmean(values) if values else 0.0
+
+    out = {
+        "generate": {"step": mean([m["perf/gen_s"] for m in measured]), "floor": mean([f["generate"] for f in kept])},
+        "score": {"step": mean([m["perf/reward_s"] for m in measured]), "floor": None},
+        "feedback": {"step": mean([m["perf/feedback_s"] for m in measured]), "floor": None},
+        "update": {"step": mean([m["perf/update_s"] for m in measured]), "floor": mean([f["update"] for f in kept])},
+    }
+    out["step"] = {"step": mean([m["perf/step_s"] for m in measured]),
+                   "floor": out["generate"]["floor"] + out["update"]["floor"]}
+    return out
+
+
+def table(result: dict[str, dict[str, float]]) -> str:
+    lines = ["| phase | step s | floor s | step / floor |", "|---|---:|---:|---:|"]
+    for phase, r in result.items():
+        floor = r["floor"]
+        ratio = f"{r['step'] / floor:.2f}" if floor else "-"
+        lines.append(f"| {phase} | {r['step']:.3f} | {floor:.3f} | {ratio} |" if floor is not None
+                     else f"| {phase} | {r['step']:.3f} | - | - |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=3, help="training steps (the first is a warm-up when > 1)")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    args, overrides = parser.parse_known_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    load = os.getloadavg()[0]
+    if load > 0.5 * (os.cpu_count() or 1):
+        print(f"bench_floor: load average {load:.1f} on {os.cpu_count()} CPUs: other work skews these numbers",
+              file=sys.stderr)
+    print(table(measure(overrides, args.steps)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
