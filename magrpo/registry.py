@@ -15,7 +15,8 @@ class Registry(Generic[T]):
     def register(self, name: str) -> Callable[[T], T]:
         def deco(obj: T) -> T:
             if name in self._items and self._items[name] is not obj:
-                raise ValueError(f"duplicate {self.kind} {name!r}")
+                raise ValueError(f"duplicate {self.kind} {name!r}: {_where(self._items[name])} and {_where(obj)}"
+                                 + _twice_hint(self._items[name], obj))
             self._items[name] = obj
             return obj
 
@@ -35,3 +36,15 @@ class Registry(Generic[T]):
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.names())
+
+
+def _where(obj: object) -> str:
+    return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', type(obj).__qualname__)}"
+
+
+def _twice_hint(old: object, new: object) -> str:
+    """One module imported under two names (a checkout's `envs.x` beside the installed `magrpo.envs.x`)."""
+    names = sorted({getattr(old, "__module__", ""), getattr(new, "__module__", "")}, key=len)
+    if len(names) == 2 and names[1] == f"magrpo.{names[0]}" and getattr(old, "__qualname__", 1) == getattr(new, "__qualname__", 2):
+        return f" (one module imported twice: import it as {names[1]})"
+    return ""
