@@ -118,15 +118,21 @@ def test_training_with_the_openai_expert_logs_expert_metrics(server, tmp_path):
     assert config["external"]["expert"]["backend"] == "openai" and config["external"]["expert"]["model"] == "fake-model"
 
 
+COOLDOWN_S = 3600  # longer than any run of the test below
+
+
 @pytest.mark.slow
 def test_training_against_a_hung_expert_finishes_with_bounded_feedback_time(server, tmp_path):
     """A server that accepts requests and never answers (defaults: 60 s x 4 attempts per request, per
-    turn): the first turn ends at the 2 s turn deadline and opens the breaker, later turns send nothing."""
+    turn): the first turn ends at the 2 s turn deadline and opens the breaker, later turns send nothing.
+    The cool-down outlasts the run: a background probe (sent once a cool-down ends, and still hanging
+    when the run stops) would be a fifth request whenever a slow machine made the run last longer
+    than the default 30 s."""
     server.fault = HANG
     start = time.monotonic()
     proc = run_cli(tmp_path, "external=expert_edits", f"external.expert.base_url={server.url}",
                    "external.expert.cache=off", "external.expert.turn_deadline_s=2", "external.expert.breaker_failures=2",
-                   "trainer.steps=3", "eval.at_end=false")
+                   f"external.expert.breaker_cooldown_s={COOLDOWN_S}", "trainer.steps=3", "eval.at_end=false")
     assert proc.returncode == 0, proc.stderr
     assert time.monotonic() - start < 120  # the model load and 3 tiny steps; no 4-minute expert turns
     metrics = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
