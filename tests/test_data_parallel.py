@@ -16,7 +16,7 @@ from magrpo.distributed import World, reduce_counters
 from magrpo.rollout import TreeSettings, assign_advantages, expand_trees, merge_rollouts, portable
 from magrpo.run_io import tree_records
 from tests.conftest import ROOT, SMALL
-from tests.test_tree_shape import PROBLEMS, SAMPLING, FakeBackend, FakeEnv, serial
+from tests.fakes import PROBLEMS, SAMPLING, FakeBackend, FakeEnv, serial
 
 
 @pytest.mark.parametrize("count,size", [(4, 2), (3, 2), (5, 3), (2, 2), (7, 1)])
@@ -55,7 +55,8 @@ def test_merged_shards_give_the_single_process_trees(mode):
     assert shape(tree_records(1, merged.problems, merged.nodes)) == shape(tree_records(1, whole.problems, whole.nodes))
     assert [n.turn for n in merged.nodes] == sorted(n.turn for n in merged.nodes)  # turn-major, as one process builds
     assert merged.terminated_per_turn == whole.terminated_per_turn
-    assert all(c.token_ids == [] for n in merged.nodes for agent in n.completions for c in agent)  # texts travel, ids not
+    # texts travel, ids not
+    assert all(c.token_ids == [] for n in merged.nodes for agent in n.completions for c in agent)
 
 
 def test_rank_metrics_sum_counters_and_average_rates():

@@ -38,7 +38,8 @@ def test_readme_feedback_examples_are_what_the_modes_print():
     spec.loader.exec_module(module)
     readme = (ROOT / "README.md").read_text()
     for mode, prompt in module.examples().items():
-        assert f"`{mode}`:\n\n~~~text\n{prompt}\n~~~" in readme, f"README's {mode} example is stale: run scripts/feedback_examples.py"
+        stale = f"README's {mode} example is stale: run scripts/feedback_examples.py"
+        assert f"`{mode}`:\n\n~~~text\n{prompt}\n~~~" in readme, stale
 
 
 def test_readme_custom_feedback_function_runs_and_fits_in_15_lines(tmp_path, monkeypatch):
@@ -47,7 +48,6 @@ def test_readme_custom_feedback_function_runs_and_fits_in_15_lines(tmp_path, mon
     assert len(code.strip().splitlines()) <= 15
     (tmp_path / "my_feedback.py").write_text(code)
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     from envs.code.env import CodeEnv
     from magrpo.config import ExternalConfig
     from magrpo.feedback import Branch, Feedback

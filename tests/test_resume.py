@@ -309,7 +309,8 @@ def test_repair_log_keeps_valid_lines_up_to_the_step(tmp_path, capsys):
                     b'{"step": 4, "y"')
     repair_log(log, 2)
     assert log.read_bytes() == b'{"step": 1}\n{"step": 2}\n{"step": 2}\n'
-    assert (tmp_path / "metrics.jsonl.corrupt").read_bytes() == b'{"step": 2, "x": [1,\n[3]\n\xff\xfe\n{"step": 4, "y"\n'
+    corrupt = b'{"step": 2, "x": [1,\n[3]\n\xff\xfe\n{"step": 4, "y"\n'
+    assert (tmp_path / "metrics.jsonl.corrupt").read_bytes() == corrupt
     assert "line(s) 2, 3, 6, 8 are not valid JSON records" in capsys.readouterr().err
 
 
