@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import socket
 import sys
+import threading
+import traceback
 from pathlib import Path
 
 import pytest
@@ -47,7 +49,10 @@ def no_network(monkeypatch):
     tried: list[str] = []
 
     def refuse(host, port) -> None:
-        tried.append(f"{host}:{port}")
+        # who asked: another thread (a library's background worker) may outlive the test that started it
+        caller = traceback.extract_stack()[-4]
+        tried.append(f"{host}:{port} (thread {threading.current_thread().name}, "
+                     f"{caller.filename}:{caller.lineno} {caller.name})")
         raise OSError(f"tests are offline: {host}:{port} refused")
 
     real_getaddrinfo = socket.getaddrinfo

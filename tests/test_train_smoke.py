@@ -82,6 +82,18 @@ def test_early_termination_is_logged(make_cfg):
     assert all(m["tree/nodes"] == 2 for m in metrics)
 
 
+def test_an_offline_wandb_run_sends_no_telemetry(make_cfg, monkeypatch):
+    """wandb's telemetry follows its process-wide settings, not wandb.init(mode=...): an offline run used to
+    start an exporter that sent to wandb's server from a background thread a minute later."""
+    otel = pytest.importorskip("wandb.analytics.opentelemetry.opentelemetry_proxy")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    train(make_cfg("logging.wandb.mode=offline", "trainer.steps=1"))
+    proxy = otel.get_open_telemetry_proxy()
+    if proxy is not None:
+        proxy.shutdown(timeout_millis=2_000)  # send now, where conftest's no_network sees it
+    assert proxy is None
+
+
 def test_wandb_offline_and_periodic_adapter_saves(make_cfg, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
     run = train(make_cfg("logging.wandb.mode=offline", "checkpoint.every=1", "checkpoint.keep=5"))
