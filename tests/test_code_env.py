@@ -60,6 +60,7 @@ def test_canonical_solution_split_into_aux_and_main_scores_full_reward(env):
     assert env.sandbox_runs == 2
 
 
+@pytest.mark.slow
 def test_code_env_trains_two_steps_on_the_tiny_model(make_cfg):
     run = train(make_cfg("env=code", "env.train_split='test[:4]'", "env.eval_split='test[4:6]'",
                          "external=plain", "generation.max_new_tokens=24", "eval.at_start=true"))
@@ -97,6 +98,7 @@ def test_unknown_reward_key_is_a_config_error(make_cfg):
         make_env(cfg.env)
 
 
+@pytest.mark.slow
 def test_all_164_canonical_solutions_pass_through_the_sandbox_and_the_judge():
     """Case semantics kept end to end (candidate process + judge process + plain data): every shipped
     canonical solution passes all its cases, a stub passes none, and no case is unsupported."""

@@ -107,6 +107,7 @@ def test_rejected_key_stops_at_start_up_with_one_line(server, tmp_path):
     assert not (tmp_path / "run").exists()  # nothing trained, no run directory
 
 
+@pytest.mark.slow
 def test_training_with_the_openai_expert_logs_expert_metrics(server, tmp_path):
     server.answer = lambda prompt: EDITS
     proc = run_cli(tmp_path, "external=expert_edits", f"external.expert.base_url={server.url}",

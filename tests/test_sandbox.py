@@ -241,6 +241,7 @@ def leftovers() -> list[str]:
     return found
 
 
+@pytest.mark.slow  # 47 programs, each run to its limits
 @pytest.mark.parametrize("namespaces", [True, False], ids=["namespaces", "no-namespaces"])
 def test_hostile_programs_are_contained(tmp_path, namespaces):
     if not namespaces and not (ROOT and NAMESPACES):

@@ -24,7 +24,8 @@ def lora_tensors(run_dir, agent):
         ([], 2, 1 + 2),  # align, K=2, T=2
         (["trainer.joint_mode=cross"], 2, 1 + 4),  # K^N = 4 children
         (["env.num_agents=1"], 1, 1 + 2),  # plain GRPO
-        (["trainer.num_turns=3", "trainer.joint_mode=cross", "env.num_agents=3"], 3, 1 + 8 + 64),
+        pytest.param(["trainer.num_turns=3", "trainer.joint_mode=cross", "env.num_agents=3"], 3, 1 + 8 + 64,
+                     marks=pytest.mark.slow),  # 73 nodes a tree; the shape itself: test_tree_shape.py
     ],
 )
 def test_run_writes_documented_outputs(make_cfg, overrides, num_agents, nodes_per_tree):
