@@ -12,7 +12,7 @@ from magrpo.rollout import RewardError, TreeSettings, assign_advantages, expand_
 from magrpo.tree import Completion, Node, align_joint_actions, cross_joint_actions
 from magrpo.trainer import prepare, train
 from tests.test_train_smoke import read_jsonl
-from tests.test_tree_shape import PROBLEMS, SAMPLING, TEXT, FakeBackend, FakeEnv, RecordingFeedback, serial
+from tests.fakes import PROBLEMS, SAMPLING, TEXT, FakeBackend, FakeEnv, RecordingFeedback, serial
 
 ALIGN = align_joint_actions(2, 2)
 

@@ -15,7 +15,7 @@ from magrpo.rollout import TreeSettings, expand_trees
 from magrpo.tree import align_joint_actions, cross_joint_actions
 from magrpo.trainer import prepare, train
 from tests.test_train_smoke import lora_tensors, read_jsonl
-from tests.test_tree_shape import PROBLEMS, SAMPLING, TEXT, FakeBackend, FakeEnv, RecordingFeedback, serial
+from tests.fakes import PROBLEMS, SAMPLING, TEXT, FakeBackend, FakeEnv, RecordingFeedback, serial
 
 # ---------------------------------------------------------------- GSPO: sequence-level ratio
 

@@ -68,7 +68,8 @@ def test_raising_env_method_during_a_step_is_named_with_its_turn(run_main, tmp_p
     assert code == 1 and "Traceback" not in err, err
     assert len(errors) == 1
     assert re.match(r"error: magrpo\.envs\.length_ratio\.LengthRatioEnv\.agent_prompts raised at turn 0 "
-                    r"\(problem 'Write about \w+\.'\): KeyError: 'topic' \(traceback in .*error\.log; ", errors[0]), errors
+                    r"\(problem 'Write about \w+\.'\): KeyError: 'topic' \(traceback in .*error\.log; ",
+                    errors[0]), errors
 
 
 def test_raising_env_score_keeps_its_one_line_and_logs_the_traceback(run_main, tmp_path, monkeypatch):
@@ -124,7 +125,8 @@ def test_a_second_signal_is_one_line_exit_130(run_main, monkeypatch):
     except KeyboardInterrupt:
         pytest.fail("KeyboardInterrupt escaped main: a traceback for the user")
     assert code == 130 and "Traceback" not in err, err
-    assert err.strip().splitlines() == ["stopped: interrupted; resume=auto continues from the last complete checkpoint, if any"]
+    assert err.strip().splitlines() == [
+        "stopped: interrupted; resume=auto continues from the last complete checkpoint, if any"]
 
 
 def test_raising_feedback_from_the_command_line_exits_1(tmp_path):
@@ -147,7 +149,8 @@ def test_an_error_that_is_not_ours_is_one_line_too(run_main, monkeypatch):
     monkeypatch.setattr(magrpo.update, "policy_loss", broken)
     code, errors, err = run_main("trainer.steps=1", "trainer.kl_coef=0.01")  # KL: every row trains
     assert code == 1 and "Traceback" not in err, err
-    assert len(errors) == 1 and errors[0].startswith("error: unexpected IndexError: a bug deep in the update (traceback in ")
+    assert len(errors) == 1
+    assert errors[0].startswith("error: unexpected IndexError: a bug deep in the update (traceback in ")
 
 
 class BrokenMode(FeedbackMode):

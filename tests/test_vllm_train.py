@@ -7,7 +7,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vllm not installed: bash scripts/setup_vllm.sh, then run with that venv's python")
 
-from magrpo.trainer import train  # noqa: E402
+from magrpo.trainer import train
 
 
 @pytest.mark.slow
