@@ -111,7 +111,7 @@ def floor_update(update: dict) -> float:
 
 def measure(overrides: list[str], steps: int) -> dict[str, dict[str, float]]:
     """{phase: {"step": mean seconds, "floor": mean seconds or None}} over the measured steps."""
-    import magrpo.envs  # noqa: F401
+    import magrpo.envs
     import magrpo.external  # noqa: F401
     from magrpo.cli import compose
     from magrpo.trainer import train

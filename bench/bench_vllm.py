@@ -88,15 +88,15 @@ def main() -> None:
     import torch
     import vllm
 
-    import magrpo.envs  # noqa: F401  (fills the env registry)
+    import magrpo.envs
     import magrpo.external  # noqa: F401  (fills the feedback registry)
-    from magrpo.cli import compose
-    from magrpo.feedback import Feedback
     from magrpo.backends import make_backend
+    from magrpo.cli import compose
+    from magrpo.envs.code.env import CodeEnv
+    from magrpo.feedback import Feedback
     from magrpo.generation import SamplingParams
     from magrpo.models import load_agents
     from magrpo.rollout import TreeSettings, expand_trees
-    from magrpo.envs.code.env import CodeEnv
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the shipped HumanEval copy
     cfg = compose(["env=code", "model=tiny", "backend=vllm", "logging.wandb.mode=disabled",

@@ -86,7 +86,7 @@ def seed_all(seed: int) -> None:
 # ---------------------------------------------------------------- magrpo
 
 def run_magrpo(mode: str, prompts: int, batch_size: int, turns: int, seed: int, quiet: bool) -> dict:
-    import magrpo.envs  # noqa: F401  (registers the env)
+    import magrpo.envs
     import magrpo.external  # noqa: F401  (registers the feedback modes)
     import magrpo.models as models
     from magrpo.cli import compose
@@ -350,7 +350,7 @@ def main(argv=None) -> int:
     print("  " + cpu_state())
     import transformers
 
-    import magrpo.envs  # noqa: F401
+    import magrpo.envs
     import magrpo.external  # noqa: F401
     from magrpo.tiny import tiny_model_path
 

@@ -15,7 +15,7 @@ import sys
 from typing import Any, Mapping
 
 from magrpo.distributed import is_main_process
-from magrpo.feedback import Branch, FeedbackMode, FEEDBACK
+from magrpo.feedback import FEEDBACK, Branch, FeedbackMode
 from magrpo.metrics import Counter, Gauge
 
 from .expert.cache import open_cache

@@ -20,8 +20,8 @@ from .errors import ConfigError, TrainingError, log_traceback
 from .evaluation import evaluate
 from .feedback import Feedback
 from .generation import SamplingParams
-from .loss import kept_completions
 from .guards import BadSteps, Halvable, oom_retry
+from .loss import kept_completions
 from .metrics import Counter, Maximum, reduce_over_ranks
 from .rollout import (
     Rollout,

@@ -13,8 +13,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import magrpo.external  # noqa: F401  (registers the modes)
-from magrpo.envs.code.env import CodeEnv
 from magrpo.config import ExternalConfig
+from magrpo.envs.code.env import CodeEnv
 from magrpo.feedback import Branch, Feedback
 
 MODES = ["plain", "level_feedback", "level_passed", "passed", "expert_edits"]

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # `tests.feedback_probe` and train.py's packages import from the root
     sys.path.insert(0, str(ROOT))
 
-import magrpo.envs  # noqa: E402,F401  (fills the env registry)
+import magrpo.envs  # noqa: E402  (fills the env registry)
 import magrpo.external  # noqa: E402,F401  (fills the feedback registry)
 from magrpo.cli import compose  # noqa: E402
 from tests.openai_server import server  # noqa: E402,F401  (fixture: an OpenAI-compatible HTTP server)

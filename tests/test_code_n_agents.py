@@ -7,10 +7,10 @@ import json
 
 import pytest
 
+from magrpo.config import ConfigError, ExternalConfig
 from magrpo.envs.code.env import CodeEnv
 from magrpo.envs.code.reward import analyze, helper_names, score
 from magrpo.external.expert_edits import ExpertEdits, LLMExpert
-from magrpo.config import ConfigError, ExternalConfig
 from magrpo.feedback import Branch, Feedback
 
 # --- reward levels, static (no sandbox): `passed`/`total` come in as numbers -----------------------

@@ -9,10 +9,10 @@ from magrpo.advantage import agent_credit, mix_rewards, pooled_advantages
 from magrpo.config import ConfigError
 from magrpo.env import Scored
 from magrpo.rollout import RewardError, TreeSettings, assign_advantages, expand_trees
-from magrpo.tree import Completion, Node, align_joint_actions, cross_joint_actions
 from magrpo.trainer import prepare, train
-from tests.test_train_smoke import read_jsonl
+from magrpo.tree import Completion, Node, align_joint_actions, cross_joint_actions
 from tests.fakes import PROBLEMS, SAMPLING, TEXT, FakeBackend, FakeEnv, RecordingFeedback, serial
+from tests.test_train_smoke import read_jsonl
 
 ALIGN = align_joint_actions(2, 2)
 

@@ -62,8 +62,8 @@ def test_custom_feedback_function_runs_and_fits_in_15_lines(tmp_path, monkeypatc
     (tmp_path / "my_feedback.py").write_text(code)
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    from magrpo.envs.code.env import CodeEnv
     from magrpo.config import ExternalConfig
+    from magrpo.envs.code.env import CodeEnv
     from magrpo.feedback import Branch, Feedback
 
     env = CodeEnv(CodeEnv.Config(train_split="test[2:3]", eval_split="test[3:4]"))

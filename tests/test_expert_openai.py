@@ -12,9 +12,9 @@ import pytest
 
 pytest.importorskip("openai")
 
+from magrpo.config import ExpertConfig
 from magrpo.external.expert import ExpertCache, ExpertError, OpenAIExpert, open_cache, parse_edits
 from magrpo.external.expert.breaker import CLOSED, OPEN, PROBE, Breaker
-from magrpo.config import ExpertConfig
 from tests.fakes import FakeClock
 from tests.openai_server import CHAT, ERROR_500, GARBAGE, HANG, MODELS, Reply
 

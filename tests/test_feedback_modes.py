@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from magrpo.envs.code.env import CodeEnv
 from magrpo.config import ConfigError, ExternalConfig
+from magrpo.envs.code.env import CodeEnv
 from magrpo.feedback import Branch, Feedback
 
 AUX = "def aux(x):\n    return x - int(x)\n"

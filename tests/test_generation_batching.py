@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from magrpo.config import ExternalConfig
 from magrpo.envs.length_ratio import LengthRatioEnv
 from magrpo.external.plain import plain
-from magrpo.config import ExternalConfig
 from magrpo.feedback import Feedback
 from magrpo.generation import GenerationRequest, SamplingParams
 from magrpo.hf_backend import HFBackend

@@ -10,8 +10,8 @@ import pytest
 
 import magrpo.update
 from magrpo.config import ExternalConfig
-from magrpo.feedback import Feedback
 from magrpo.errors import RewardError, TrainingError
+from magrpo.feedback import Feedback
 from magrpo.rollout import TreeSettings, expand_trees
 from magrpo.trainer import train
 from tests.fakes import PROBLEMS, SAMPLING, TEXT, FakeBackend, FakeEnv

@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from magrpo.envs.length_ratio import LengthRatioEnv
 from magrpo.cli import main
+from magrpo.envs.length_ratio import LengthRatioEnv
 from magrpo.feedback import FeedbackMode
 from tests.conftest import ROOT, SMALL
 
