@@ -52,7 +52,9 @@ def test_config_table_shows_what_train_py_composes_not_only_the_schema():
 def test_feedback_examples_are_what_the_modes_print():
     doc = (ROOT / "docs" / "feedback.md").read_text()
     for mode, prompt in load_script("feedback_examples").examples().items():
-        assert f"`{mode}`:\n\n~~~text\n{prompt}\n~~~" in doc, f"docs/feedback.md's {mode} example is stale: run scripts/feedback_examples.py"
+        assert f"`{mode}`:\n\n~~~text\n{prompt}\n~~~" in doc, (
+            f"docs/feedback.md's {mode} example is stale: run scripts/feedback_examples.py"
+        )
 
 
 def test_custom_feedback_function_runs_and_fits_in_15_lines(tmp_path, monkeypatch):

@@ -132,9 +132,17 @@ def test_training_against_a_hung_expert_finishes_with_bounded_feedback_time(serv
     than the default 30 s."""
     server.fault = HANG
     start = time.monotonic()
-    proc = run_cli(tmp_path, "external=expert_edits", f"external.expert.base_url={server.url}",
-                   "external.expert.cache=off", "external.expert.turn_deadline_s=2", "external.expert.breaker_failures=2",
-                   f"external.expert.breaker_cooldown_s={COOLDOWN_S}", "trainer.steps=3", "eval.at_end=false")
+    proc = run_cli(
+        tmp_path,
+        "external=expert_edits",
+        f"external.expert.base_url={server.url}",
+        "external.expert.cache=off",
+        "external.expert.turn_deadline_s=2",
+        "external.expert.breaker_failures=2",
+        f"external.expert.breaker_cooldown_s={COOLDOWN_S}",
+        "trainer.steps=3",
+        "eval.at_end=false",
+    )
     assert proc.returncode == 0, proc.stderr
     assert time.monotonic() - start < 120  # the model load and 3 tiny steps; no 4-minute expert turns
     metrics = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]

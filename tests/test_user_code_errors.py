@@ -77,8 +77,9 @@ def test_raising_env_score_keeps_its_one_line_and_logs_the_traceback(run_main, t
     code, errors, err = run_main("trainer.steps=1")
     assert code == 1 and "Traceback" not in err, err
     assert len(errors) == 1
-    assert errors[0].startswith("error: env LengthRatioEnv (magrpo.envs.length_ratio.LengthRatioEnv.score) failed on joint "
-                                "action 0 of turn 0"), errors
+    assert errors[0].startswith(
+        "error: env LengthRatioEnv (magrpo.envs.length_ratio.LengthRatioEnv.score) failed on joint action 0 of turn 0"
+    ), errors
     assert "ZeroDivisionError: division by zero" in errors[0]
     assert "ZeroDivisionError" in (tmp_path / "run" / "error.log").read_text()
 
@@ -90,12 +91,22 @@ def _raise(error):
     return method
 
 
-@pytest.mark.parametrize("method,error,line", [
-    ("problems", OSError("the problem server is down"), "magrpo.envs.length_ratio.LengthRatioEnv.problems raised loading "
-                                                        "the train split: OSError: the problem server is down"),
-    ("__init__", FileNotFoundError("topics.txt"), "magrpo.envs.length_ratio.LengthRatioEnv.__init__ raised at start-up: "
-                                                  "FileNotFoundError: topics.txt"),
-])
+@pytest.mark.parametrize(
+    "method,error,line",
+    [
+        (
+            "problems",
+            OSError("the problem server is down"),
+            "magrpo.envs.length_ratio.LengthRatioEnv.problems raised loading "
+            "the train split: OSError: the problem server is down",
+        ),
+        (
+            "__init__",
+            FileNotFoundError("topics.txt"),
+            "magrpo.envs.length_ratio.LengthRatioEnv.__init__ raised at start-up: FileNotFoundError: topics.txt",
+        ),
+    ],
+)
 def test_raising_env_at_start_up_is_one_line_and_no_run_dir(run_main, tmp_path, monkeypatch, method, error, line):
     monkeypatch.setattr(LengthRatioEnv, method, _raise(error))
     code, errors, err = run_main()
