@@ -118,8 +118,7 @@ def compose_run(overrides: Sequence[str], config_dir: Path | None = None, config
 
     from . import envs, external  # noqa: F401  (the built-ins register before any plugin)
 
-    first = config_dir if config_dir is not None and (config_dir / f"{config_name}.yaml").is_file() else CONFIG_DIR
-    modules = plugins.requested(overrides, os.environ, first / f"{config_name}.yaml")
+    modules = plugins.requested(overrides, os.environ, primary(config_dir, config_name))
     plugins.load(modules)
     overrides = select_env(overrides)
     try:
@@ -161,9 +160,7 @@ def _group_overrides(overrides: Sequence[str], config_dir: Path | None, config_n
     picks an experiment) means `group=option`: users need not know which groups a config picks."""
     from omegaconf import OmegaConf
 
-    path = (config_dir / f"{config_name}.yaml") if config_dir is not None else None
-    path = path if path is not None and path.is_file() else CONFIG_DIR / f"{config_name}.yaml"
-    picked = set()
+    path, picked = primary(config_dir, config_name), set()
     if path.is_file():
         for entry in OmegaConf.to_container(OmegaConf.load(path)).get("defaults", []) or []:
             if isinstance(entry, dict):
@@ -179,8 +176,16 @@ def _group_overrides(overrides: Sequence[str], config_dir: Path | None, config_n
     return out
 
 
+def primary(config_dir: Path | None, config_name: str) -> Path:
+    """The file --config-name names: in the user's folder when it is there, else a built-in one."""
+    mine = config_dir / f"{config_name}.yaml" if config_dir is not None else None
+    return mine if mine is not None and mine.is_file() else CONFIG_DIR / f"{config_name}.yaml"
+
+
 def groups(config_dir: Path | None = None) -> set[str]:
-    return {p.name for d in (CONFIG_DIR, config_dir) if d is not None for p in d.iterdir() if p.is_dir()} | {"env"}
+    """Config groups: the folders of configs/ (and of the user's folder), and env (from the registry)."""
+    folders = {p.name for d in (CONFIG_DIR, config_dir) if d is not None for p in d.iterdir() if p.is_dir()}
+    return {name for name in folders if not name.startswith(("_", "."))} | {"env"}
 
 
 def select_env(overrides: Sequence[str]) -> list[str]:

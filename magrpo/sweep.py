@@ -19,7 +19,7 @@ from .errors import ConfigError
 
 
 def expand(overrides: Sequence[str]) -> list[tuple[list[str], list[str]]]:
-    """(swept `key=value` pairs, all overrides) of every run."""
+    """(swept `key=value` pairs, all overrides in the order given) of every run."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     parser, parsed = OverridesParser.create(), []
@@ -29,9 +29,10 @@ def expand(overrides: Sequence[str]) -> list[tuple[list[str], list[str]]]:
         except Exception as e:  # noqa: BLE001  (hydra's syntax error, one line naming the override)
             why = " ".join(str(e).split()).split(" See https://")[0]
             raise ConfigError(override.partition("=")[0], f"cannot parse {override!r}: {why}") from None
-    fixed = [o for o, p in zip(overrides, parsed) if not p.is_sweep_override()]
-    axes = [[f"{p.get_key_element()}={_text(v)}" for v in p.sweep_iterator()] for p in parsed if p.is_sweep_override()]
-    return [(list(combo), [*fixed, *combo]) for combo in itertools.product(*axes)]
+    axes = [[f"{p.get_key_element()}={_text(v)}" for v in p.sweep_iterator()] if p.is_sweep_override() else [o]
+            for o, p in zip(overrides, parsed)]
+    swept = [p.is_sweep_override() for p in parsed]
+    return [([o for o, s in zip(combo, swept) if s], list(combo)) for combo in itertools.product(*axes)]
 
 
 def _text(value) -> str:

@@ -48,6 +48,13 @@ from magrpo.feedback import FEEDBACK
 def again(prompt, agent_completions, num_agents, prompt_history_per_agent, response_history_per_agent, **context):
     return [prompt + " Again:"] * num_agents
 '''
+CREDIT_CODE = '''
+import numpy as np
+from magrpo.advantage import BASELINES, CREDITS
+
+BASELINES.register("my_zero")(lambda rewards: np.zeros_like(rewards))
+CREDITS.register("my_mean")(CREDITS.get("mean"))  # (N, K) credit from (joint, returns, k)
+'''
 TOY = [o for o in SMALL if not o.startswith(("env=", "external="))]  # tiny model, small sizes
 
 
@@ -59,15 +66,19 @@ def user_pkg(tmp_path, monkeypatch):
     (pkg / "__init__.py").write_text("")
     (pkg / "envs.py").write_text(ENV_CODE)
     (pkg / "feedback.py").write_text(FEEDBACK_CODE)
+    (pkg / "credit.py").write_text(CREDIT_CODE)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", list(sys.path))  # plugins put the current directory on it
     yield tmp_path
     from magrpo.env import ENVS
     from magrpo.feedback import FEEDBACK
 
-    for name in ("my_pkg", "my_pkg.envs", "my_pkg.feedback"):
+    from magrpo.advantage import BASELINES, CREDITS
+
+    for name in ("my_pkg", "my_pkg.envs", "my_pkg.feedback", "my_pkg.credit"):
         sys.modules.pop(name, None)
-    for registry, name in ((ENVS, "my_echo"), (ENVS, "my_pkg.envs:EchoEnv"), (FEEDBACK, "my_again")):
+    for registry, name in ((ENVS, "my_echo"), (ENVS, "my_pkg.envs:EchoEnv"), (FEEDBACK, "my_again"),
+                           (BASELINES, "my_zero"), (CREDITS, "my_mean")):
         registry._items.pop(name, None)  # the next test imports a fresh copy of the package
 
 
@@ -90,9 +101,50 @@ def test_plugins_make_a_user_env_and_feedback_selectable_by_name(user_pkg, monke
     assert compose(["env.name=my_echo"]).env == {"name": "my_echo", "n": 4, "fail": False}
 
 
+def test_plugin_baselines_and_credit_rules_are_valid_choices(user_pkg):
+    from magrpo.validation import validate
+
+    cfg = compose(["plugins=[my_pkg.credit]", "trainer.baseline=my_zero", "trainer.cross_credit=my_mean", *TOY])
+    validate(cfg)  # without the plugin: "'my_zero' is not allowed; choose one of: max, mean, none, rloo"
+    assert (cfg.trainer.baseline, cfg.trainer.cross_credit) == ("my_zero", "my_mean")
+
+
 def test_env_name_class_path_replaces_the_env_node(user_pkg):
     cfg = compose(["env.name=my_pkg.envs:EchoEnv", "env.n=16"])  # no `+`: n is the class's own key
     assert cfg.env == {"name": "my_pkg.envs:EchoEnv", "n": 16, "fail": False}
+
+
+def test_a_user_feedback_function_by_import_path_and_plugins_in_a_config_file(user_pkg):
+    from magrpo.trainer import prepare
+
+    cfg = compose(["env.name=my_pkg.envs:EchoEnv", "external.mode=my_pkg.feedback:again", *TOY,
+                   f"logging.run_dir={user_pkg / 'run'}"])
+    env, feedback = prepare(cfg)  # resolves the function (from the current directory) and loads the data
+    assert feedback.name == "my_pkg.feedback:again" and len(env.problems("train")) == 4
+    (user_pkg / "mine.yaml").write_text("defaults:\n  - train\n  - _self_\nplugins: [my_pkg.envs]\n")
+    cfg = compose(["env=my_echo"], user_pkg, "mine")  # the config file's plugins are imported before composing
+    assert cfg.env["name"] == "my_echo" and cfg.plugins == ["my_pkg.envs"]
+
+
+def test_the_documented_plugin_env_runs(tmp_path, monkeypatch):
+    from magrpo.env import ENVS
+    from magrpo.trainer import prepare
+
+    doc = (ROOT / "docs" / "environments.md").read_text()
+    code = "# my_pkg/envs.py" + doc.split("```python\n# my_pkg/envs.py")[1].split("```")[0]
+    (tmp_path / "my_pkg").mkdir()
+    (tmp_path / "my_pkg" / "__init__.py").write_text("")
+    (tmp_path / "my_pkg" / "envs.py").write_text(code)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    try:
+        cfg = compose(["plugins=[my_pkg.envs]", "env=my_env", "env.n=16", *TOY, f"logging.run_dir={tmp_path / 'run'}"])
+        env, _ = prepare(cfg)
+        assert len(env.problems("train")) == 16 and env.rewards([{}], [["x" * 10, "y"]]) == [0.5]
+    finally:
+        for name in ("my_pkg", "my_pkg.envs"):
+            sys.modules.pop(name, None)
+        ENVS._items.pop("my_env", None)
 
 
 def test_env_name_alone_switches_to_that_envs_node():
@@ -168,6 +220,16 @@ def test_cfg_prints_the_config(capsys):
     assert main(["--cfg=all", *SMALL]) == 0
     out = capsys.readouterr().out
     assert out.startswith("hydra:") and "choices:" in out and "env: length_ratio" in out and job in out
+
+
+def test_sweep_expansion_follows_hydras_basic_sweeper():
+    from magrpo.sweep import expand
+
+    runs = expand(["trainer.seed=range(0,2)", "lora.target_modules=[q_proj,v_proj]", "env.fail=true,false"])
+    assert [swept for swept, _ in runs] == [["trainer.seed=0", "env.fail=true"], ["trainer.seed=0", "env.fail=false"],
+                                            ["trainer.seed=1", "env.fail=true"], ["trainer.seed=1", "env.fail=false"]]
+    assert runs[1][1] == ["trainer.seed=0", "lora.target_modules=[q_proj,v_proj]", "env.fail=false"]  # order kept
+    assert expand(["trainer.lr=0.5"]) == [([], ["trainer.lr=0.5"])]
 
 
 @pytest.mark.slow
