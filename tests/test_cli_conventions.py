@@ -200,6 +200,15 @@ def test_user_config_dir_and_name(tmp_path, capsys):
     assert capsys.readouterr().err.startswith("config error: trainer.lrr: unknown key")
 
 
+def test_env_name_changed_in_a_config_file_says_to_select_the_env(tmp_path):
+    from magrpo.errors import ConfigError
+    from magrpo.trainer import prepare
+
+    (tmp_path / "mine.yaml").write_text("defaults:\n  - train\n  - _self_\nenv:\n  name: length_ratio\n")
+    with pytest.raises(ConfigError, match=r"env\.dataset: a key of another env, not of env 'length_ratio' .* env=length_ratio"):
+        prepare(compose([], tmp_path, "mine"))
+
+
 def test_experiment_presets():
     plain = dataclasses.asdict(compose(["env=length_ratio", "model=tiny", "external=length_ratio"]))
     assert dataclasses.asdict(compose(["+experiment=toy"])) == plain
