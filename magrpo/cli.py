@@ -13,8 +13,8 @@ import warnings
 from pathlib import Path
 from typing import Sequence
 
-from .config import TrainConfig
 from . import plugins
+from .config import TrainConfig
 from .errors import ConfigError, MagrpoError
 
 # Installed, the YAML files ship inside the package (pyproject.toml); in a checkout they sit at its top.

@@ -110,7 +110,7 @@ def sweep(args) -> int:
     rows, first_failure = [], 0
     for name, overrides in runs:
         print(f"magrpo: sweep run {name}", file=sys.stderr)
-        code, line = guarded(lambda: run(args, overrides, root / name))
+        code, line = guarded(lambda o=overrides, d=root / name: run(args, o, d))
         first_failure = first_failure or code
         rows.append((name, line or "ok", final_metrics(root / name)))
     if args.show:

@@ -70,10 +70,9 @@ def user_pkg(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", list(sys.path))  # plugins put the current directory on it
     yield tmp_path
+    from magrpo.advantage import BASELINES, CREDITS
     from magrpo.env import ENVS
     from magrpo.feedback import FEEDBACK
-
-    from magrpo.advantage import BASELINES, CREDITS
 
     for name in ("my_pkg", "my_pkg.envs", "my_pkg.feedback", "my_pkg.credit"):
         sys.modules.pop(name, None)
@@ -83,7 +82,7 @@ def user_pkg(tmp_path, monkeypatch):
 
 
 def train_py(*args: str, cwd, env=None):
-    return subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=cwd, capture_output=True, text=True,
+    return subprocess.run([sys.executable, str(ROOT / "train.py"), *args], check=False, cwd=cwd, capture_output=True, text=True,
                           timeout=600, env=dict(os.environ, **(env or {})))
 
 
