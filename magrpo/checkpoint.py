@@ -46,6 +46,7 @@ SAFE_TO_CHANGE = (
     "vllm.sleep_mode", "vllm.kv_cache_gb", "external.max_concurrency", "external.expert.timeout_s",
     "external.expert.max_retries", "external.expert.backoff_s", "external.expert.cache",
     "external.expert.api_key_env", "eval", "logging", "checkpoint", "resume", "resume_force",
+    "plugins",  # code to import: what it registers shows in the keys that select it (env.name, ...)
 )
 
 

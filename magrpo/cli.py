@@ -13,19 +13,74 @@ import warnings
 from pathlib import Path
 from typing import Sequence
 
+from . import plugins
 from .config import TrainConfig
 from .errors import ConfigError, MagrpoError
 
 # Installed, the YAML files ship inside the package (pyproject.toml); in a checkout they sit at its top.
 _HERE = Path(__file__).resolve().parent
 CONFIG_DIR = _HERE / "configs" if (_HERE / "configs").is_dir() else _HERE.parent / "configs"
-USAGE = """usage: python train.py [key=value ...] [group=option ...] [--cfg] [--help]
+USAGE = """usage: python train.py [key=value ...] [group=option ...] [flags]
 
-  key=value      override any config key, e.g. trainer.num_turns=3 trainer.joint_mode=cross
-  group=option   pick a config file from configs/<group>/, e.g. external=plain model=hf
-  --cfg          print the composed config and exit
+  key=value            override any config key, e.g. trainer.num_turns=3 trainer.joint_mode=cross
+  group=option         pick a config file from configs/<group>/, e.g. external=plain model=hf
+  +experiment=NAME     apply a preset from configs/experiment/ (run sizes, or a whole setup)
+  plugins=[mod,...]    import your modules first (also $MAGRPO_PLUGINS): what they register is selectable
+  env.name=pkg.mod:Cls an env class of yours, its Config's defaults as the env node
+  --cfg job|hydra|all  print the composed config (job), the chosen options (hydra) or both, and exit
+  --config-dir DIR     also look for configs in DIR (-cd); your YAML's defaults: may pick built-in groups
+  --config-name NAME   the config to start from instead of train (-cn), e.g. a DIR/NAME.yaml of yours
+  -m, --multirun       a run per combination of comma lists (trainer.lr=1e-3,1e-2 trainer.seed=0,1),
+                       one after another, each in its own folder under runs/sweep-<time>, then a summary
 Groups: {groups}
 All keys and their meaning: docs/configuration.md and magrpo/config.py."""
+CFG_PARTS = ("job", "hydra", "all")
+
+
+@dataclasses.dataclass
+class Args:
+    overrides: list[str]
+    show: str | None = None  # --cfg: job | hydra | all
+    config_dir: Path | None = None  # --config-dir: searched before the built-in configs
+    config_name: str = "train"
+    multirun: bool = False
+    help: bool = False
+
+
+def parse_args(argv: Sequence[str]) -> Args:
+    """Hydra's command-line flags, each accepted as `--flag value` or `--flag=value`; anything else
+    starting with `-` is a ConfigError naming it."""
+    args, rest = Args([]), list(argv)
+    while rest:
+        arg = rest.pop(0)
+        if not arg.startswith("-"):
+            args.overrides.append(arg)
+            continue
+        flag, eq, value = arg.partition("=")
+        if flag in ("-h", "--help"):
+            args.help = True
+        elif flag in ("-m", "--multirun"):
+            args.multirun = True
+        elif flag in ("-c", "--cfg"):  # a bare --cfg (the next argument an override, or none) is --cfg job
+            if not eq:
+                value = rest.pop(0) if rest and "=" not in rest[0] and not rest[0].startswith("-") else "job"
+            if value not in CFG_PARTS:
+                raise ConfigError(flag, f"{value!r} is not allowed; choose one of: {', '.join(CFG_PARTS)}")
+            args.show = value
+        elif flag in ("-cd", "--config-dir", "-cn", "--config-name"):
+            if not eq:
+                if not rest or rest[0].startswith("-"):
+                    raise ConfigError(flag, "needs a value (see --help)")
+                value = rest.pop(0)
+            if flag in ("-cd", "--config-dir"):
+                if not Path(value).is_dir():
+                    raise ConfigError(flag, f"{value!r} is not a folder")
+                args.config_dir = Path(value).resolve()
+            else:
+                args.config_name = value.removesuffix(".yaml")
+        else:
+            raise ConfigError(arg, "unknown flag; use key=value overrides or one of: --cfg, --config-dir, --config-name, -m (see --help)")
+    return args
 
 
 def register_schema() -> None:
@@ -42,64 +97,168 @@ def register_schema() -> None:
         store.store(group="env", name=name, node={"name": name, **dataclasses.asdict(ENVS.get(name).Config())})
 
 
-def group_options(group: str, config_dir: Path = CONFIG_DIR) -> list[str]:
-    """The options of a config group: its YAML files (and, for env, every registered env)."""
+def group_options(group: str, config_dir: Path | None = None) -> list[str]:
+    """The options of a config group: its YAML files (built-in and in config_dir) and, for env,
+    every registered env."""
     from .env import ENVS
 
-    files = {p.stem for p in (config_dir / group).glob("*.yaml")}
+    files = {p.stem for d in (CONFIG_DIR, config_dir) if d is not None for p in (d / group).glob("*.yaml")}
     return sorted(files | set(ENVS.names()) if group == "env" else files)
 
 
-def compose(overrides: Sequence[str], config_dir: Path = CONFIG_DIR) -> TrainConfig:
+def compose(overrides: Sequence[str], config_dir: Path | None = None, config_name: str = "train") -> TrainConfig:
     """Composed, type-checked config as a TrainConfig instance; raises ConfigError on bad input."""
+    return compose_run(overrides, config_dir, config_name)[0]
+
+
+def compose_run(overrides: Sequence[str], config_dir: Path | None = None, config_name: str = "train") -> tuple[TrainConfig, dict]:
+    """The config, and what composed it (config source, group choices, overrides, plugins) for --cfg hydra.
+    Plugins are imported first so their envs are `env=` options and their registry names valid."""
+    import os
+
+    from . import envs, external  # noqa: F401  (the built-ins register before any plugin)
+
+    modules = plugins.requested(overrides, os.environ, primary(config_dir, config_name))
+    plugins.load(modules)
+    overrides = select_env(overrides)
+    try:
+        cfg, choices = _compose(overrides, config_dir, config_name)
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001  (hydra's and omegaconf's errors: one line naming the key)
+        raise _one_line(e, lambda: _selected_env(overrides, config_dir, config_name), config_dir, config_name) from None
+    cfg.plugins = modules  # config.json records $MAGRPO_PLUGINS' modules too
+    hydra = {"config_name": config_name, "config_dir": [str(d) for d in (config_dir, CONFIG_DIR) if d is not None],
+             "choices": choices, "overrides": list(overrides), "plugins": modules}
+    return cfg, hydra
+
+
+def _compose(overrides: Sequence[str], config_dir: Path | None, config_name: str) -> tuple[TrainConfig, dict]:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
+    from omegaconf import OmegaConf, open_dict
 
     register_schema()
     GlobalHydra.instance().clear()
+    # A user's folder comes first (its files win), the built-in configs stay on the search path.
+    extra = [f"hydra.searchpath=[file://{CONFIG_DIR}]"] if config_dir is not None else []
+    overrides = _group_overrides(overrides, config_dir, config_name)
+    with initialize_config_dir(config_dir=str(config_dir or CONFIG_DIR), version_base=None):
+        cfg = hydra_compose(config_name=config_name, overrides=[*overrides, *extra], return_hydra_config=True)
+    choices = {k: v for k, v in cfg.hydra.runtime.choices.items()  # an optional option that is absent is no choice
+               if not k.startswith("hydra/") and (v is None or v in group_options(k, config_dir))}
+    with open_dict(cfg):
+        del cfg["hydra"]
+    if OmegaConf.get_type(cfg) is not TrainConfig:  # a user's YAML without base_train: check it all the same
+        cfg = OmegaConf.merge(OmegaConf.structured(TrainConfig), cfg)
+    return OmegaConf.to_object(cfg), choices
+
+
+def _group_overrides(overrides: Sequence[str], config_dir: Path | None, config_name: str) -> list[str]:
+    """Group options checked; `+group=option` for a group the defaults list already has (train.yaml
+    picks an experiment) means `group=option`: users need not know which groups a config picks."""
+    from omegaconf import OmegaConf
+
+    path, picked = primary(config_dir, config_name), set()
+    if path.is_file():
+        for entry in OmegaConf.to_container(OmegaConf.load(path)).get("defaults", []) or []:
+            if isinstance(entry, dict):
+                picked.update(k.removeprefix("optional ").removeprefix("override ").strip() for k in entry)
+    out = []
+    for o in overrides:
+        key, _, value = o.partition("=")
+        group = key.lstrip("+")
+        # checked here: an `optional` group (experiment) would silently skip a misspelt option
+        if group in groups(config_dir) and value != "null" and value not in group_options(group, config_dir):
+            raise ConfigError(group, f"no option {value!r}; choose one of: {', '.join(group_options(group, config_dir))}")
+        out.append(o[1:] if key.startswith("+") and not key.startswith("++") and group in picked else o)
+    return out
+
+
+def primary(config_dir: Path | None, config_name: str) -> Path:
+    """The file --config-name names: in the user's folder when it is there, else a built-in one."""
+    mine = config_dir / f"{config_name}.yaml" if config_dir is not None else None
+    return mine if mine is not None and mine.is_file() else CONFIG_DIR / f"{config_name}.yaml"
+
+
+def groups(config_dir: Path | None = None) -> set[str]:
+    """Config groups: the folders of configs/ (and of the user's folder), and env (from the registry)."""
+    folders = {p.name for d in (CONFIG_DIR, config_dir) if d is not None for p in d.iterdir() if p.is_dir()}
+    return {name for name in folders if not name.startswith(("_", "."))} | {"env"}
+
+
+def select_env(overrides: Sequence[str]) -> list[str]:
+    """`env.name=X` selects env X's whole node like `env=X` (its own Config's defaults, none of the
+    default env's keys); X, and an `env=` option, may be `package.module:Class`."""
+    from .env import ENVS
+
+    out = []
+    for o in overrides:
+        key, _, value = o.partition("=")
+        if key.lstrip("+") in ("env", "env.name") and ":" in value:
+            value = plugins.env_class(value)
+        if key.lstrip("+") != "env.name":
+            out.append(f"{key}={value}" if key == "env" else o)
+            continue
+        if value not in ENVS:
+            raise ConfigError("env.name", f"{value!r} is not allowed; choose one of: {', '.join(ENVS.names())} (or package.module:Class)")
+        out.append(f"env={value}")  # like every group override: the last one given wins
+    return out
+
+
+def _selected_env(overrides: Sequence[str], config_dir: Path | None, config_name: str) -> str | None:
+    """The env an erroneous command selects: composed again without its env.* keys."""
     try:
-        with initialize_config_dir(config_dir=str(config_dir), version_base=None):
-            cfg = hydra_compose(config_name="train", overrides=list(overrides))
-        return OmegaConf.to_object(cfg)
-    except OmegaConfBaseException as e:
-        raise _from_omegaconf(e) from None
-    except Exception as e:  # hydra's own errors: composition, override syntax, missing group option
-        cause = e.__cause__ or e.__context__
-        if isinstance(cause, OmegaConfBaseException):
-            raise _from_omegaconf(cause) from None
-        raise _from_hydra(e, config_dir) from None
+        kept = [o for o in overrides if not o.lstrip("+~").startswith("env.")]
+        return _compose(kept, config_dir, config_name)[0].env.get("name")
+    except Exception:  # noqa: BLE001
+        return None
 
 
-def _from_omegaconf(e) -> ConfigError:
+def _one_line(e: Exception, env_name, config_dir: Path | None, config_name: str) -> ConfigError:
+    from omegaconf.errors import OmegaConfBaseException
+
+    if isinstance(e, OmegaConfBaseException):
+        return _from_omegaconf(e, env_name)
+    cause = e.__cause__ or e.__context__
+    if isinstance(cause, OmegaConfBaseException):
+        return _from_omegaconf(cause, env_name)
+    return _from_hydra(e, env_name, config_dir, config_name)
+
+
+def _unknown(key: str, env_name) -> ConfigError:
+    parent = key.rpartition(".")[0]
+    return ConfigError(key, f"unknown key; allowed under {parent or 'the top level'}: {', '.join(_fields_at(parent, env_name))}")
+
+
+def _from_omegaconf(e, env_name) -> ConfigError:
     key = getattr(e, "full_key", None) or "config"
     msg = str(getattr(e, "msg", e)).splitlines()[0]
     if "not in struct" in msg or "Key '" in msg and "not in" in msg:
-        parent, _, leaf = key.rpartition(".")
-        return ConfigError(key, f"unknown key; allowed under {parent or 'the top level'}: {', '.join(_fields_at(parent))}")
+        return _unknown(key, env_name)
     return ConfigError(key, msg)
 
 
-def _from_hydra(e: Exception, config_dir: Path) -> ConfigError:
+def _from_hydra(e: Exception, env_name, config_dir: Path | None, config_name: str) -> ConfigError:
     text = " ".join(str(e).split())
     missing = re.search(r"Could not find '([^/']+)/([^']+)'", text)
     if missing:
         group, option = missing.groups()
         options = group_options(group, config_dir)
         return ConfigError(group, f"no option {option!r}; choose one of: {', '.join(options)}")
+    if re.search(r"Cannot find primary config '([^']+)'", text):
+        where = " or ".join(str(d) for d in (config_dir, CONFIG_DIR) if d is not None)
+        return ConfigError("--config-name", f"no {config_name}.yaml in {where}")
     bad_key = re.search(r"Could not override '([^']+)'", text) or re.search(r"Key '([^']+)'", text)
     if bad_key:
-        key = bad_key.group(1)
-        parent = key.rpartition(".")[0]
-        return ConfigError(key, f"unknown key; allowed under {parent or 'the top level'}: {', '.join(_fields_at(parent))}")
+        return _unknown(bad_key.group(1), env_name)
     return ConfigError("overrides", text)
 
 
-def _fields_at(path: str) -> list[str]:
-    if path == "env" or path.startswith("env."):  # env keys are the registered envs' own Config fields
-        return _env_fields(path.split(".")[1:])
+def _fields_at(path: str, env_name) -> list[str]:
+    if path == "env" or path.startswith("env."):  # env keys are the selected env's own Config fields
+        return _env_fields(env_name(), path.split(".")[1:])
     node: type = TrainConfig
     for part in [p for p in path.split(".") if p]:
         fields = {f.name: f for f in dataclasses.fields(node)}
@@ -112,62 +271,80 @@ def _fields_at(path: str) -> list[str]:
     return [f.name for f in dataclasses.fields(node)]
 
 
-def _env_fields(parts: list[str]) -> list[str]:
+def _env_fields(env_name: str | None, parts: list[str]) -> list[str]:
     import typing
 
     from .env import ENVS
 
-    names: set[str] = set()
-    for env in ENVS.names():
-        node: object = ENVS.get(env).Config
-        for part in parts:
-            node = typing.get_type_hints(node).get(part) if dataclasses.is_dataclass(node) else None
-        if dataclasses.is_dataclass(node):
-            names.update(f.name for f in dataclasses.fields(node))
+    if env_name not in ENVS:
+        return ["name"]
+    node: object = ENVS.get(env_name).Config
+    for part in parts:
+        node = typing.get_type_hints(node).get(part) if dataclasses.is_dataclass(node) else None
+    names = [f.name for f in dataclasses.fields(node)] if dataclasses.is_dataclass(node) else []
     return (["name"] if not parts else []) + sorted(names)
 
 
+def show(cfg: TrainConfig, hydra: dict, part: str) -> str:
+    """What --cfg prints: the job's config, what composed it (`hydra:`), or both."""
+    from omegaconf import OmegaConf
+
+    job = OmegaConf.to_yaml(OmegaConf.structured(cfg))
+    meta = OmegaConf.to_yaml({"hydra": hydra})
+    return {"job": job, "hydra": meta, "all": meta + job}[part]
+
+
 def main(argv: Sequence[str]) -> int:
-    args = list(argv)
-    if any(a in ("-h", "--help") for a in args):
-        groups = ", ".join(sorted({p.name for p in CONFIG_DIR.iterdir() if p.is_dir()} | {"env"}))
-        print(USAGE.format(groups=groups))
+    try:
+        args = parse_args(argv)
+    except ConfigError as e:
+        return report("config error", e, 2)[0]
+    if args.help:
+        print(USAGE.format(groups=", ".join(sorted(groups(args.config_dir)))))
         return 0
-    show = "--cfg" in args
-    overrides = [a for a in args if a != "--cfg"]
-    bad = [a for a in overrides if a.startswith("-")]
-    if bad:
-        print(f"config error: {bad[0]}: unknown flag; use key=value overrides (see --help)", file=sys.stderr)
-        return 2
     # peft calls a deprecated transformers property on every model load: noise for our users.
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-    # Registries are filled by importing the built-in envs and feedback modes.
-    from . import envs, external  # noqa: F401
+    if args.multirun:
+        from .sweep import sweep
+
+        return sweep(args)
+    return guarded(lambda: run(args))[0]
+
+
+def run(args: Args, overrides: Sequence[str] | None = None, run_dir: Path | None = None, dry: bool = False) -> None:
+    """Compose, check, then print (--cfg) or train (dry: check only). run_dir: a sweep's run folder."""
     from .trainer import prepare, train
 
-    try:
-        cfg = compose(overrides)
-        prepared = prepare(cfg)
-        if show:
-            from omegaconf import OmegaConf
+    cfg, hydra = compose_run(args.overrides if overrides is None else overrides, args.config_dir, args.config_name)
+    if run_dir is not None:  # set here, not as an override: a folder name may hold `=` and `,`
+        cfg.logging.run_dir = str(run_dir)
+    prepared = prepare(cfg)
+    if dry:
+        return
+    if args.show:
+        print(show(cfg, hydra, args.show))
+        return
+    train(cfg, prepared)
 
-            print(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
-            return 0
-        train(cfg, prepared)
+
+def guarded(fn) -> tuple[int, str]:
+    """fn() with every failure reported as one line: (exit code, that line; "" when fn returned)."""
+    try:
+        fn()
     except MagrpoError as e:  # ours: bad input (exit 2; a hub id that cannot be fetched is found only while loading) or a stop (1)
         return report("config error" if isinstance(e, ConfigError) else "error", e, e.exit_code)
     except KeyboardInterrupt as e:  # a second signal (or Ctrl-C during start-up)
         return report("stopped", e, 130, "interrupted; resume=auto continues from the last complete checkpoint, if any")
     except Exception as e:  # noqa: BLE001  (user code and everything else: one line, traceback kept)
         return report("error", e, 1)
-    return 0
+    return 0, ""
 
 
 DEBUG_VAR = "MAGRPO_DEBUG"  # =1: print the full traceback above the one-line error
 
 
-def report(kind: str, error: BaseException, code: int, text: str | None = None) -> int:
-    """One line on stderr: `kind: message` plus where the traceback is; returns the exit code."""
+def report(kind: str, error: BaseException, code: int, text: str | None = None) -> tuple[int, str]:
+    """One line on stderr: `kind: message` plus where the traceback is; returns the exit code and the line."""
     import os
     import traceback
 
@@ -182,4 +359,4 @@ def report(kind: str, error: BaseException, code: int, text: str | None = None) 
     where = [n for n in getattr(error, "__notes__", []) if n.startswith("traceback in ")]
     hint = f" ({where[0]}; {DEBUG_VAR}=1 prints it)" if where else (f" ({DEBUG_VAR}=1 prints the traceback)" if code == 1 else "")
     print(f"{kind}: {line}{hint}", file=sys.stderr)
-    return code
+    return code, f"{kind}: {line}"

@@ -282,6 +282,8 @@ class TrainConfig:
     """Continue a run: auto (the newest readable checkpoint in logging.run_dir; none there at all: start fresh) | a checkpoint folder | null (a fresh run: logging.run_dir must hold no checkpoints)."""
     resume_force: list[str] = field(default_factory=list)
     """Keys (or sections, e.g. trainer.lr, external) allowed to differ from the checkpoint's config on resume; without them a change in anything but trainer.steps, logging, eval, checkpoint and speed settings stops the resume."""
+    plugins: list[str] = field(default_factory=list)
+    """Your modules to import before the config is composed (also $MAGRPO_PLUGINS, comma-separated), e.g. plugins=[my_pkg.envs,my_feedback]: the envs, feedback modes, baselines and credit rules they register become selectable by name."""
 
 
 def flatten(config: Any, prefix: str = "") -> dict[str, Any]:

@@ -13,13 +13,13 @@ modes with state or I/O, like expert_edits) receives the whole list.
 """
 from __future__ import annotations
 
-import importlib
 import inspect
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from .errors import ConfigError, FeedbackError, describe, qualified_name, user_code
+from .plugins import import_module
 from .registry import Registry
 
 FeedbackFn = Callable[..., Sequence[str]]
@@ -71,10 +71,7 @@ def resolve_feedback(mode: str) -> FeedbackFn | type[FeedbackMode]:
             )
         return FEEDBACK.get(mode)
     module_name, _, attr = mode.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ConfigError("external.mode", f"cannot import module {module_name!r} ({e})") from None
+    module = import_module("external.mode", module_name)
     fn = getattr(module, attr, None)
     if fn is None and attr in FEEDBACK:
         fn = FEEDBACK.get(attr)

@@ -25,8 +25,11 @@ CASES = {
     "external.mode=json:no_such_fn": ("external.mode", ["no_such_fn"]),
     "model.name=/does/not/exist": ("model.name", ["/does/not/exist", "not an existing folder"]),
     "model=nope": ("model", ["'nope'", "tiny"]),
-    "env.name=nope": ("env.name", ["'nope'", "length_ratio"]),
-    "env.bogus=1": ("env.bogus", ["unknown key", "ratio"]),
+    "env.name=nope": ("env.name", ["'nope'", "length_ratio", "package.module:Class"]),
+    "+experiment=nope": ("experiment", ["'nope'", "toy"]),  # an optional group: unchecked, it would train
+    # more command-line cases, in process: tests/test_cli_conventions.py
+    "--verbose": ("--verbose", ["unknown flag", "--config-dir"]),
+    "env.bogus=1": ("env.bogus", ["unknown key", "dataset, eval_split"]),  # the code env's keys only
     "env=length_ratio env.ratio=big": ("env.ratio", ["float", "big"]),
     "env=length_ratio external.mode=level_feedback": ("external.mode", ["'level_feedback'", "env=code"]),
     "resume=/no/such/checkpoint": ("resume", ["not a complete checkpoint folder"]),

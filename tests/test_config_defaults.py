@@ -3,6 +3,7 @@ configs/ holds only what it changes, so editing a default in one place cannot le
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
@@ -55,9 +56,13 @@ def test_every_option_train_yaml_picks_exists():
     from magrpo.cli import group_options
 
     picked = yaml.safe_load((CONFIGS / "train.yaml").read_text())["defaults"]
+    chosen: dict[str, str] = {}
     for entry in picked:
         if isinstance(entry, dict):
             (group, option), = entry.items()
+            group = group.removeprefix("optional ")  # optional too: experiment=cpu_smollm2-135m sizes the default run
+            option = re.sub(r"\$\{(\w+)\}", lambda m: chosen[m.group(1)], option)  # cpu_${model}
+            chosen[group] = option
             assert option in group_options(group), f"{group}={option}"
 
 
