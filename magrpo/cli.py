@@ -307,7 +307,7 @@ def main(argv: Sequence[str]) -> int:
     if args.multirun:
         from .sweep import sweep
 
-        return sweep(args)
+        return sweep(args, run, guarded)
     return guarded(lambda: run(args))[0]
 
 

@@ -13,7 +13,7 @@ import re
 import sys
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from .errors import ConfigError
 
@@ -89,9 +89,9 @@ def summary(rows: Sequence[tuple[str, str, dict]]) -> tuple[str, str]:
     return md + "\n", tsv + "\n"
 
 
-def sweep(args) -> int:
-    from .cli import guarded, run
-
+def sweep(args, run: Callable[..., None], guarded: Callable[[Callable[[], None]], tuple[int, str]]) -> int:
+    """Every run of the sweep, one after another: `run(args, overrides, run_dir, dry)` composes and
+    trains one (cli.run), `guarded(fn)` turns its failure into (exit code, one line) (cli.guarded)."""
     runs: list[tuple[str, list[str]]] = []
     root, rest = sweep_dir(args.overrides)
 

@@ -78,7 +78,8 @@ def test_a_bad_key_exits_2_with_one_line_and_builds_no_model(tmp_path):
 
 def test_an_unknown_flag_exits_2_with_one_line():
     code, lines = train_py("--lr=1")
-    assert (code, lines) == (2, ["config error: --lr=1: unknown flag; use key=value overrides (see --help)"])
+    assert (code, lines) == (2, ["config error: --lr=1: unknown flag; use key=value overrides or one of: --cfg, "
+                                 "--config-dir, --config-name, -m (see --help)"])
 
 
 def test_hub_id_that_cannot_be_loaded_is_one_line(tmp_path, monkeypatch, capsys):
