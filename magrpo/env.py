@@ -102,8 +102,11 @@ def make_env(env_cfg: Mapping[str, Any]) -> Environment:
     own = [f.name for f in dataclasses.fields(cls.Config)]
     stray = [k for k in values if k not in own and any(k in _keys(ENVS.get(n)) for n in ENVS.names())]
     if stray:  # env.name changed inside a config file: the previous env's keys are still there
-        raise ConfigError(f"env.{stray[0]}", f"a key of another env, not of env {name!r} (allowed: {', '.join(own)}); "
-                          f"select the env with env={name} (or env.name={name} on the command line): it replaces the whole env node")
+        raise ConfigError(
+            f"env.{stray[0]}",
+            f"a key of another env, not of env {name!r} (allowed: {', '.join(own)}); "
+            f"select the env with env={name} (or env.name={name} on the command line): it replaces the whole env node",
+        )
     config = _build(cls.Config, values, "env", f"env {name!r}")
     with user_code(lambda e: EnvError(f"{qualified_name(cls)}.__init__ raised at start-up: {describe(e)}")):
         return cls(config)

@@ -32,9 +32,18 @@ class TreeSettings:
     @classmethod
     def of(cls, cfg: Any) -> "TreeSettings":
         """From a TrainConfig's trainer.* and reward.*."""
-        t = cfg.trainer
-        return cls(t.num_generations, t.num_turns, t.joint_mode, t.early_termination_threshold, cfg.reward.on_error,
-                   t.expand, t.resample_zero_std, t.cross_credit, cfg.reward.team_weight)
+        trainer = cfg.trainer
+        return cls(
+            trainer.num_generations,
+            trainer.num_turns,
+            trainer.joint_mode,
+            trainer.early_termination_threshold,
+            cfg.reward.on_error,
+            trainer.expand,
+            trainer.resample_zero_std,
+            trainer.cross_credit,
+            cfg.reward.team_weight,
+        )
 
 
 EXPAND_DRAWS = 0x45585044  # a stream domain of its own for random:M (never a sampling stream's key)

@@ -84,7 +84,10 @@ def summary(rows: Sequence[tuple[str, str, dict]]) -> tuple[str, str]:
     for name, status, final in rows:
         cells = [f"{final[c]:.4g}" if isinstance(final.get(c), float) else str(final.get(c, "")) for c in cols]
         table.append([name, status, *cells])
-    md = "\n".join("| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in table[:1] + [["---"] * len(table[0])] + table[1:])
+    md = "\n".join(
+        "| " + " | ".join(c.replace("|", "\\|") for c in row) + " |"
+        for row in table[:1] + [["---"] * len(table[0])] + table[1:]
+    )
     tsv = "\n".join("\t".join(c.replace("\t", " ") for c in row) for row in table)
     return md + "\n", tsv + "\n"
 

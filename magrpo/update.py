@@ -177,9 +177,20 @@ class UpdateSettings:
 
     @classmethod
     def of(cls, cfg) -> "UpdateSettings":
-        t = cfg.trainer
-        return cls(t.loss_agg, cfg.generation.max_new_tokens, t.ppo_epochs, t.clip_eps, t.kl_coef, t.max_grad_norm,
-                   t.tis_cap, cfg.generation.temperature, t.clip_eps_high, t.ratio_level, t.entropy_coef)
+        trainer = cfg.trainer
+        return cls(
+            trainer.loss_agg,
+            cfg.generation.max_new_tokens,
+            trainer.ppo_epochs,
+            trainer.clip_eps,
+            trainer.kl_coef,
+            trainer.max_grad_norm,
+            trainer.tis_cap,
+            cfg.generation.temperature,
+            trainer.clip_eps_high,
+            trainer.ratio_level,
+            trainer.entropy_coef,
+        )
 
 
 class AgentUpdater:

@@ -21,66 +21,76 @@ def validate(cfg: TrainConfig) -> None:
     from .tree import JOINT_MODES, parse_expand
 
     check_finite(cfg, "")
-    t = cfg.trainer
-    at_least("trainer.num_generations", t.num_generations, 2, "a group baseline needs two samples")
-    at_least("trainer.num_turns", t.num_turns, 1)
-    at_least("trainer.steps", t.steps, 1)
-    at_least("trainer.batch_size", t.batch_size, 1)
-    at_least("trainer.micro_batch_size", t.micro_batch_size, 1)
-    at_least("trainer.ppo_epochs", t.ppo_epochs, 1)
-    at_least("trainer.warmup_steps", t.warmup_steps, 0)
-    at_least("trainer.max_bad_steps", t.max_bad_steps, 0)
-    at_least("trainer.max_sequences_per_step", t.max_sequences_per_step, 0)
+    trainer = cfg.trainer
+    at_least("trainer.num_generations", trainer.num_generations, 2, "a group baseline needs two samples")
+    at_least("trainer.num_turns", trainer.num_turns, 1)
+    at_least("trainer.steps", trainer.steps, 1)
+    at_least("trainer.batch_size", trainer.batch_size, 1)
+    at_least("trainer.micro_batch_size", trainer.micro_batch_size, 1)
+    at_least("trainer.ppo_epochs", trainer.ppo_epochs, 1)
+    at_least("trainer.warmup_steps", trainer.warmup_steps, 0)
+    at_least("trainer.max_bad_steps", trainer.max_bad_steps, 0)
+    at_least("trainer.max_sequences_per_step", trainer.max_sequences_per_step, 0)
     choice("reward.on_error", cfg.reward.on_error, ["raise", "zero"])
     at_least("checkpoint.every", cfg.checkpoint.every, 0)
     at_least("checkpoint.keep", cfg.checkpoint.keep, 1)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))  # set by torchrun
     if world_size > 1:
-        if t.batch_size < world_size:
-            raise ConfigError("trainer.batch_size", f"must be >= the number of processes ({world_size}): each needs a tree")
+        if trainer.batch_size < world_size:
+            raise ConfigError(
+                "trainer.batch_size", f"must be >= the number of processes ({world_size}): each needs a tree"
+            )
         if cfg.backend != "hf":
             raise ConfigError("backend", f"{cfg.backend!r} runs in one process; with torchrun use backend=hf")
-    above("trainer.dist_timeout_min", t.dist_timeout_min, 0)
+    above("trainer.dist_timeout_min", trainer.dist_timeout_min, 0)
     from .distributed import is_main_process
 
     # only rank 0 reads checkpoints (other machines need no shared disk)
-    if is_main_process() and cfg.resume is not None and cfg.resume != "auto" and not os.path.isfile(os.path.join(cfg.resume, "COMPLETE")):
-        raise ConfigError("resume", f"{cfg.resume!r} is not a complete checkpoint folder (give auto, null or a checkpoints/step_N folder)")
+    if (
+        is_main_process()
+        and cfg.resume is not None
+        and cfg.resume != "auto"
+        and not os.path.isfile(os.path.join(cfg.resume, "COMPLETE"))
+    ):
+        raise ConfigError(
+            "resume",
+            f"{cfg.resume!r} is not a complete checkpoint folder (give auto, null or a checkpoints/step_N folder)",
+        )
     if cfg.resume == "auto" and not cfg.logging.run_dir:
         raise ConfigError("resume", "auto needs logging.run_dir: the run directory whose checkpoints to continue from")
     keys = flatten(asdict(cfg))
     unknown = [name for name in cfg.resume_force if not any(under(key, [name]) for key in keys)]
     if unknown:
         raise ConfigError("resume_force", f"{unknown[0]!r} is not a config key or section (e.g. trainer.lr, external)")
-    at_least("trainer.kl_coef", t.kl_coef, 0.0)
-    at_least("trainer.max_grad_norm", t.max_grad_norm, 0.0)
-    above("trainer.lr", t.lr, 0)
-    at_least("trainer.weight_decay", t.weight_decay, 0.0)
-    above("trainer.clip_eps", t.clip_eps, 0)
-    if not 0 <= t.seed < 2**32:  # numpy's seeding range
-        raise ConfigError("trainer.seed", f"must be in [0, 2**32), got {t.seed}")
-    if not 0 <= t.discount <= 1:
-        raise ConfigError("trainer.discount", f"must be in [0, 1], got {t.discount}")
-    choice("trainer.joint_mode", t.joint_mode, JOINT_MODES.names())
+    at_least("trainer.kl_coef", trainer.kl_coef, 0.0)
+    at_least("trainer.max_grad_norm", trainer.max_grad_norm, 0.0)
+    above("trainer.lr", trainer.lr, 0)
+    at_least("trainer.weight_decay", trainer.weight_decay, 0.0)
+    above("trainer.clip_eps", trainer.clip_eps, 0)
+    if not 0 <= trainer.seed < 2**32:  # numpy's seeding range
+        raise ConfigError("trainer.seed", f"must be in [0, 2**32), got {trainer.seed}")
+    if not 0 <= trainer.discount <= 1:
+        raise ConfigError("trainer.discount", f"must be in [0, 1], got {trainer.discount}")
+    choice("trainer.joint_mode", trainer.joint_mode, JOINT_MODES.names())
     try:
-        parse_expand(t.expand)
+        parse_expand(trainer.expand)
     except ValueError as e:
         raise ConfigError("trainer.expand", str(e)) from None
-    choice("trainer.cross_credit", t.cross_credit, CREDITS.names())
-    choice("trainer.baseline", t.baseline, BASELINES.names())
-    choice("trainer.advantage_scale", t.advantage_scale, SCALES.names())
-    choice("trainer.loss_agg", t.loss_agg, LOSS_AGGS.names())
+    choice("trainer.cross_credit", trainer.cross_credit, CREDITS.names())
+    choice("trainer.baseline", trainer.baseline, BASELINES.names())
+    choice("trainer.advantage_scale", trainer.advantage_scale, SCALES.names())
+    choice("trainer.loss_agg", trainer.loss_agg, LOSS_AGGS.names())
     check_loss_credit_options(cfg)
 
-    g = cfg.generation
-    at_least("generation.max_new_tokens", g.max_new_tokens, 1)
-    at_least("generation.top_k", g.top_k, 0)
-    at_least("generation.max_batch_rows", g.max_batch_rows, 0)
-    above("generation.temperature", g.temperature, 0)
-    if not 0 < g.top_p <= 1:
-        raise ConfigError("generation.top_p", f"must be in (0, 1], got {g.top_p}")
+    gen = cfg.generation
+    at_least("generation.max_new_tokens", gen.max_new_tokens, 1)
+    at_least("generation.top_k", gen.top_k, 0)
+    at_least("generation.max_batch_rows", gen.max_batch_rows, 0)
+    above("generation.temperature", gen.temperature, 0)
+    if not 0 < gen.top_p <= 1:
+        raise ConfigError("generation.top_p", f"must be in (0, 1], got {gen.top_p}")
 
-    at_least("trainer.tis_cap", t.tis_cap, 0.0)
+    at_least("trainer.tis_cap", trainer.tis_cap, 0.0)
     _validate_backend(cfg)
     at_least("eval.every", cfg.eval.every, 0)
     at_least("eval.num_samples", cfg.eval.num_samples, 0)
@@ -96,22 +106,26 @@ def validate(cfg: TrainConfig) -> None:
     _check_device(cfg.model.device)
     at_least("model.tiny_layers", cfg.model.tiny_layers, 1)
     if cfg.model.tiny_hidden_size < 8 or cfg.model.tiny_hidden_size % 8:  # 4 heads with an even head size (RoPE)
-        raise ConfigError("model.tiny_hidden_size", f"must be a positive multiple of 8, got {cfg.model.tiny_hidden_size}")
+        raise ConfigError(
+            "model.tiny_hidden_size", f"must be a positive multiple of 8, got {cfg.model.tiny_hidden_size}"
+        )
     at_least("external.max_concurrency", cfg.external.max_concurrency, 1)
-    x = cfg.external.expert
-    choice("external.expert.backend", x.backend, ["auto", "reference", "openai", "hf"])
-    above("external.expert.timeout_s", x.timeout_s, 0)
-    at_least("external.expert.max_retries", x.max_retries, 0)
-    at_least("external.expert.backoff_s", x.backoff_s, 0.0)
-    above("external.expert.turn_deadline_s", x.turn_deadline_s, 0)
-    at_least("external.expert.breaker_failures", x.breaker_failures, 0)
-    at_least("external.expert.breaker_cooldown_s", x.breaker_cooldown_s, 0.0)
-    at_least("external.expert.temperature", x.temperature, 0.0)
-    at_least("external.expert.max_tokens", x.max_tokens, 1)
-    if x.backend == "openai" and not x.base_url:
+    expert = cfg.external.expert
+    choice("external.expert.backend", expert.backend, ["auto", "reference", "openai", "hf"])
+    above("external.expert.timeout_s", expert.timeout_s, 0)
+    at_least("external.expert.max_retries", expert.max_retries, 0)
+    at_least("external.expert.backoff_s", expert.backoff_s, 0.0)
+    above("external.expert.turn_deadline_s", expert.turn_deadline_s, 0)
+    at_least("external.expert.breaker_failures", expert.breaker_failures, 0)
+    at_least("external.expert.breaker_cooldown_s", expert.breaker_cooldown_s, 0.0)
+    at_least("external.expert.temperature", expert.temperature, 0.0)
+    at_least("external.expert.max_tokens", expert.max_tokens, 1)
+    if expert.backend == "openai" and not expert.base_url:
         raise ConfigError("external.expert.base_url", "required with external.expert.backend=openai, e.g. http://127.0.0.1:8000/v1")
-    if x.backend == "hf" and not x.model:
-        raise ConfigError("external.expert.model", "required with external.expert.backend=hf: a hub id or a local model folder")
+    if expert.backend == "hf" and not expert.model:
+        raise ConfigError(
+            "external.expert.model", "required with external.expert.backend=hf: a hub id or a local model folder"
+        )
     choice("logging.wandb.mode", cfg.logging.wandb.mode, ["auto", "disabled", "offline", "online"])
     _check_wandb_key(cfg.logging.wandb.mode)
     at_least("logging.every", cfg.logging.every, 0)
@@ -129,13 +143,13 @@ def check_loss_credit_options(cfg: TrainConfig) -> None:
     from .advantage import GROUP_BY
     from .loss import RATIO_LEVELS
 
-    t = cfg.trainer
-    choice("trainer.ratio_level", t.ratio_level, RATIO_LEVELS.names())
-    choice("trainer.group_by", t.group_by, GROUP_BY.names())
-    if t.clip_eps_high is not None:
-        above("trainer.clip_eps_high", t.clip_eps_high, 0)
-    at_least("trainer.resample_zero_std", t.resample_zero_std, 0)
-    at_least("trainer.entropy_coef", t.entropy_coef, 0.0)
+    trainer = cfg.trainer
+    choice("trainer.ratio_level", trainer.ratio_level, RATIO_LEVELS.names())
+    choice("trainer.group_by", trainer.group_by, GROUP_BY.names())
+    if trainer.clip_eps_high is not None:
+        above("trainer.clip_eps_high", trainer.clip_eps_high, 0)
+    at_least("trainer.resample_zero_std", trainer.resample_zero_std, 0)
+    at_least("trainer.entropy_coef", trainer.entropy_coef, 0.0)
     if not 0 <= cfg.reward.team_weight <= 1:
         raise ConfigError("reward.team_weight", f"must be in [0, 1], got {cfg.reward.team_weight}")
 
@@ -144,21 +158,28 @@ def step_size(cfg: TrainConfig, num_agents: int) -> tuple[int, int]:
     """(nodes, completions) of one step's trees when no branch stops early."""
     from .tree import tree_size
 
-    t = cfg.trainer
-    nodes, completions = tree_size(t.joint_mode, t.num_generations, num_agents, t.num_turns, t.expand)
-    return nodes * t.batch_size, completions * t.batch_size
+    trainer = cfg.trainer
+    nodes, completions = tree_size(
+        trainer.joint_mode, trainer.num_generations, num_agents, trainer.num_turns, trainer.expand
+    )
+    return nodes * trainer.batch_size, completions * trainer.batch_size
 
 
 def check_tree_size(cfg: TrainConfig, num_agents: int) -> None:
     """A ConfigError when a step would sample more than trainer.max_sequences_per_step completions."""
-    t = cfg.trainer
+    trainer = cfg.trainer
     nodes, completions = step_size(cfg, num_agents)
-    if t.max_sequences_per_step and completions > t.max_sequences_per_step:
-        raise ConfigError("trainer.max_sequences_per_step", (
-            f"this tree samples {completions:,} completions per step ({nodes:,} nodes: {t.joint_mode} mode, "
-            f"N={num_agents}, K={t.num_generations}, T={t.num_turns}, batch {t.batch_size}), above the cap of "
-            f"{t.max_sequences_per_step:,}; lower K, T or the batch, use align mode, trainer.expand=top:M or "
-            f"early termination, or raise the cap"))
+    if trainer.max_sequences_per_step and completions > trainer.max_sequences_per_step:
+        raise ConfigError(
+            "trainer.max_sequences_per_step",
+            (
+                f"this tree samples {completions:,} completions per step ({nodes:,} nodes: {trainer.joint_mode} mode, "
+                f"N={num_agents}, K={trainer.num_generations}, T={trainer.num_turns}, batch {trainer.batch_size}), "
+                f"above the cap of "
+                f"{trainer.max_sequences_per_step:,}; lower K, T or the batch, use align mode, trainer.expand=top:M or "
+                f"early termination, or raise the cap"
+            ),
+        )
 
 
 VLLM_INSTALL = ("pip install 'magrpo[vllm]' on a CUDA machine, or bash scripts/setup_vllm.sh on an x86 CPU "
@@ -171,16 +192,18 @@ def _validate_backend(cfg: TrainConfig) -> None:
     from .backends import BACKENDS
 
     choice("backend", cfg.backend, BACKENDS.names())
-    v = cfg.vllm
-    if not 0 < v.gpu_memory_utilization <= 1:
-        raise ConfigError("vllm.gpu_memory_utilization", f"must be in (0, 1], got {v.gpu_memory_utilization}")
-    at_least("vllm.max_model_len", v.max_model_len, 0)
-    choice("vllm.dtype", v.dtype, ["auto", "bfloat16", "float16", "float32"])
-    at_least("vllm.kv_cache_gb", v.kv_cache_gb, 1)
-    at_least("vllm.block_size", v.block_size, 0)
-    above("vllm.guard_tol", v.guard_tol, 0)
+    engine = cfg.vllm
+    if not 0 < engine.gpu_memory_utilization <= 1:
+        raise ConfigError("vllm.gpu_memory_utilization", f"must be in (0, 1], got {engine.gpu_memory_utilization}")
+    at_least("vllm.max_model_len", engine.max_model_len, 0)
+    choice("vllm.dtype", engine.dtype, ["auto", "bfloat16", "float16", "float32"])
+    at_least("vllm.kv_cache_gb", engine.kv_cache_gb, 1)
+    at_least("vllm.block_size", engine.block_size, 0)
+    above("vllm.guard_tol", engine.guard_tol, 0)
     if cfg.backend == "vllm" and cfg.generation.temperature > 2:
-        raise ConfigError("generation.temperature", f"vLLM samples at temperatures up to 2, got {cfg.generation.temperature}")
+        raise ConfigError(
+            "generation.temperature", f"vLLM samples at temperatures up to 2, got {cfg.generation.temperature}"
+        )
     if cfg.backend == "vllm" and importlib.util.find_spec("vllm") is None:
         raise ConfigError("backend", f"vllm is not installed in this Python: {VLLM_INSTALL}")
 
@@ -191,7 +214,9 @@ def _check_model_name(key: str, name: str) -> None:
         raise ConfigError(key, "is empty; give a hub id like org/name, a local model folder, tiny or smollm2-135m")
     looks_like_path = name.startswith((".", "/", "~")) or name.count("/") > 1
     if looks_like_path and not os.path.isdir(os.path.expanduser(name)):
-        raise ConfigError(key, f"{name!r} is not an existing folder (give a local model folder or a hub id like org/name)")
+        raise ConfigError(
+            key, f"{name!r} is not an existing folder (give a local model folder or a hub id like org/name)"
+        )
 
 
 def _check_device(setting: str) -> None:
@@ -207,7 +232,9 @@ def _check_device(setting: str) -> None:
         raise ConfigError("model.device", f"{setting!r} but torch sees no CUDA device on this machine "
                           f"(torch {torch.__version__}); use auto or cpu")
     if match.group(1) is not None and int(match.group(1)) >= count:
-        raise ConfigError("model.device", f"{setting!r} but this machine has {count} CUDA device(s): cuda:0 to cuda:{count - 1}")
+        raise ConfigError(
+            "model.device", f"{setting!r} but this machine has {count} CUDA device(s): cuda:0 to cuda:{count - 1}"
+        )
 
 
 def _check_run_dir(run_dir: Optional[str]) -> None:
@@ -224,7 +251,9 @@ def _check_run_dir(run_dir: Optional[str]) -> None:
     try:
         tempfile.TemporaryFile(dir=existing).close()
     except OSError as e:
-        raise ConfigError("logging.run_dir", f"{shown!r}: cannot write in {str(existing)!r} ({e.strerror or e})") from None
+        raise ConfigError(
+            "logging.run_dir", f"{shown!r}: cannot write in {str(existing)!r} ({e.strerror or e})"
+        ) from None
 
 
 def _check_wandb_key(mode: str) -> None:
@@ -233,5 +262,8 @@ def _check_wandb_key(mode: str) -> None:
     from .run_io import wandb_mode
 
     if mode == "online" and not os.environ.get("NETRC") and wandb_mode("auto") != "online":
-        raise ConfigError("logging.wandb.mode", "online needs a wandb API key (set WANDB_API_KEY or run `wandb login`); "
-                          "or use auto or offline (`wandb sync` uploads later)")
+        raise ConfigError(
+            "logging.wandb.mode",
+            "online needs a wandb API key (set WANDB_API_KEY or run `wandb login`); "
+            "or use auto or offline (`wandb sync` uploads later)",
+        )

@@ -36,6 +36,7 @@ def rows() -> list[tuple[str, str]]:
                 continue
             doc = body[i + 1] if i + 1 < len(body) else None
             text = doc.value.value if isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant) else ""
+            text = " ".join(text.split())  # a help docstring may wrap over several source lines
             if text:  # nested config nodes (model, trainer, ...) have no docstring of their own
                 out.append((PREFIX[cls.name] + stmt.target.id, text))
     return out

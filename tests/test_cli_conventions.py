@@ -82,8 +82,15 @@ def user_pkg(tmp_path, monkeypatch):
 
 
 def train_py(*args: str, cwd, env=None):
-    return subprocess.run([sys.executable, str(ROOT / "train.py"), *args], check=False, cwd=cwd, capture_output=True, text=True,
-                          timeout=600, env=dict(os.environ, **(env or {})))
+    return subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *args],
+        check=False,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(os.environ, **(env or {})),
+    )
 
 
 def one_line(stderr: str) -> str:
@@ -159,7 +166,9 @@ def test_a_user_envs_bad_key_is_one_line_listing_its_own_keys(user_pkg):
     assert proc.returncode == 2
     assert one_line(proc.stderr) == "config error: env.bogus: unknown key; allowed under env: name, fail, n"
     proc = train_py("plugins=[my_pkg.nope]", cwd=user_pkg)
-    assert proc.returncode == 2 and one_line(proc.stderr).startswith("config error: plugins: cannot import module 'my_pkg.nope'")
+    assert proc.returncode == 2 and one_line(proc.stderr).startswith(
+        "config error: plugins: cannot import module 'my_pkg.nope'"
+    )
 
 
 @pytest.mark.slow
@@ -177,7 +186,9 @@ def test_user_env_and_feedback_from_the_command_line_alone_train(user_pkg):
 
 def test_user_config_dir_and_name(tmp_path, capsys):
     (tmp_path / "model").mkdir()
-    (tmp_path / "model" / "tiny_wide.yaml").write_text("# @package _global_\nmodel:\n  name: tiny\n  tiny_hidden_size: 256\n")
+    (tmp_path / "model" / "tiny_wide.yaml").write_text(
+        "# @package _global_\nmodel:\n  name: tiny\n  tiny_hidden_size: 256\n"
+    )
     (tmp_path / "mine.yaml").write_text(textwrap.dedent("""\
         defaults:
           - train                      # the built-in entry config, then change its choices
@@ -191,7 +202,9 @@ def test_user_config_dir_and_name(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "steps: 5" in out and "name: length_ratio" in out and "tiny_hidden_size: 256" in out
     # A YAML that starts from the schema alone; unknown keys in it are still caught.
-    (tmp_path / "bare.yaml").write_text("defaults:\n  - base_train\n  - env: length_ratio\n  - _self_\ntrainer:\n  lr: 0.5\n")
+    (tmp_path / "bare.yaml").write_text(
+        "defaults:\n  - base_train\n  - env: length_ratio\n  - _self_\ntrainer:\n  lr: 0.5\n"
+    )
     cfg = compose([], tmp_path, "bare")
     assert cfg.trainer.lr == 0.5 and cfg.env["name"] == "length_ratio" and cfg.model.name == "tiny"
     (tmp_path / "typo.yaml").write_text("defaults:\n  - base_train\n  - _self_\ntrainer:\n  lrr: 0.5\n")
@@ -204,7 +217,9 @@ def test_env_name_changed_in_a_config_file_says_to_select_the_env(tmp_path):
     from magrpo.trainer import prepare
 
     (tmp_path / "mine.yaml").write_text("defaults:\n  - train\n  - _self_\nenv:\n  name: length_ratio\n")
-    with pytest.raises(ConfigError, match=r"env\.dataset: a key of another env, not of env 'length_ratio' .* env=length_ratio"):
+    with pytest.raises(
+        ConfigError, match=r"env\.dataset: a key of another env, not of env 'length_ratio' .* env=length_ratio"
+    ):
         prepare(compose([], tmp_path, "mine"))
 
 
@@ -271,7 +286,10 @@ def test_a_failing_sweep_run_is_reported_and_the_sweep_goes_on(user_pkg):
 def test_a_bad_value_in_any_sweep_run_stops_before_training(tmp_path, capsys):
     assert main(["-m", *SMALL, "trainer.num_generations=2,1", f"logging.run_dir={tmp_path}"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("config error: trainer.num_generations: must be >= 2") and "(sweep run 1-trainer.num_generations=1)" in err
+    assert (
+        err.startswith("config error: trainer.num_generations: must be >= 2")
+        and "(sweep run 1-trainer.num_generations=1)" in err
+    )
     assert not any(tmp_path.iterdir())
 
 

@@ -108,7 +108,9 @@ def test_documented_train_commands_compose():
     commands = documented_train_commands()
     assert len(commands) >= 10
     for where, overrides in commands:
-        if "MAGRPO_PLUGINS=" in where or any(o.startswith(("plugins=", "external.mode=my_")) or ":" in o for o in overrides):
+        if "MAGRPO_PLUGINS=" in where or any(
+            o.startswith(("plugins=", "external.mode=my_")) or ":" in o for o in overrides
+        ):
             continue  # needs the user's own modules: tests/test_cli_conventions.py runs such commands
         try:
             for _, run in expand(overrides):  # a `-m` sweep: every run; other commands: one
