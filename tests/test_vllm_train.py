@@ -52,20 +52,27 @@ def test_three_step_run_with_the_vllm_backend(single, mode):
     assert (run / "adapters" / "agent_1" / "adapter_model.safetensors").exists()
 
 
-@pytest.mark.slow
-def test_two_processes_each_with_its_engine_sample_the_single_process_trees(single, tmp_path):
-    """Each rank starts its own engine, syncs its own adapters (the probe guard runs on every rank)
-    and samples its share of the trees with per-request seeds: rank 0 gathers the same trees as one
-    process, logs the same numbers, and the run exits 0."""
-    one = single("align")
-    run_dir = tmp_path / "two"
+def torchrun(run_dir, *overrides):
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           "train.py", *SMALL, f"logging.run_dir={run_dir}", *RUN, "trainer.joint_mode=align"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+                           "train.py", *SMALL, f"logging.run_dir={run_dir}", *RUN, "trainer.joint_mode=align",
+                           "checkpoint.every=1", *overrides], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "2 processes" in proc.stderr and proc.stderr.count("magrpo: done") == 1
+    return proc.stderr
+
+
+@pytest.mark.slow
+def test_two_processes_each_with_its_engine_sample_the_single_process_trees_and_resume(single, tmp_path):
+    """Each rank starts its own engine, syncs its own adapters (the probe guard runs on every rank)
+    and samples its share of the trees with per-request seeds: rank 0 gathers the same trees as one
+    process and logs the same numbers, both runs exit 0. Stopped after step 2 and resumed, the
+    engines first receive the checkpoint's adapters (else the stale-adapter guard stops the run)."""
+    one = single("align")
+    run_dir = tmp_path / "two"
+    torchrun(run_dir, "trainer.steps=2", "eval.at_end=false")  # evaluation as in the uninterrupted run
+    assert "resuming from" in torchrun(run_dir, "resume=auto")
     assert (run_dir / "rollouts.jsonl").read_bytes() == (one / "rollouts.jsonl").read_bytes()
-    for a, b in zip(metrics(one), metrics(run_dir)):
+    for a, b in zip(metrics(one), metrics(run_dir), strict=True):
         assert a.keys() == b.keys()
         for key in a:
             if not key.startswith("perf/"):
