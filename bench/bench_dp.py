@@ -52,25 +52,25 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--mode", default="align")
-    parser.add_argument("--threads", type=int, default=0, help="OMP_NUM_THREADS for every process (0: launcher default)")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="OMP_NUM_THREADS for every process (0: launcher default)")
     parser.add_argument("--extra", nargs="*", default=[], help="more key=value overrides")
     args = parser.parse_args()
     print(f"{os.cpu_count()} CPUs; batch {args.batch_size} trees, K={args.k}, {args.mode}, "
           f"{args.max_new_tokens} new tokens, {args.steps} steps (the first is not timed)")
-    print(f"{'procs':>5} {'step_s':>8} {'gen_s':>8} {'reward_s':>8} {'update_s':>8} {'tok/s':>8} {'wall_s':>8} {'speed-up':>8}")
+    print(f"{'procs':>5} {'step_s':>8} {'gen_s':>8} {'reward_s':>8} {'update_s':>8} "
+          f"{'tok/s':>8} {'wall_s':>8} {'speed-up':>8}")
     base = None
     with tempfile.TemporaryDirectory() as tmp:
         for procs in args.procs:
             rows, wall = run(procs, args, Path(tmp) / f"p{procs}")
             timed = [r for r in rows if r["step"] > 1] or rows
-
-            def mean(key: str) -> float:
-                return sum(r[key] for r in timed) / len(timed)
-
-            step_s = mean("perf/step_s")
+            keys = ("perf/step_s", "perf/gen_s", "perf/reward_s", "perf/update_s", "perf/tokens_per_s")
+            mean = {key: sum(r[key] for r in timed) / len(timed) for key in keys}
+            step_s = mean["perf/step_s"]
             base = base or step_s
-            print(f"{procs:>5} {step_s:>8.2f} {mean('perf/gen_s'):>8.2f} {mean('perf/reward_s'):>8.2f} "
-                  f"{mean('perf/update_s'):>8.2f} {mean('perf/tokens_per_s'):>8.0f} {wall:>8.1f} {base / step_s:>8.2f}")
+            print(f"{procs:>5} {step_s:>8.2f} {mean['perf/gen_s']:>8.2f} {mean['perf/reward_s']:>8.2f} "
+                  f"{mean['perf/update_s']:>8.2f} {mean['perf/tokens_per_s']:>8.0f} {wall:>8.1f} {base / step_s:>8.2f}")
 
 
 if __name__ == "__main__":

@@ -80,7 +80,12 @@ def floor_generate(call: dict) -> float:
         mask[row, width - len(p):] = 1  # a prompt may contain the pad id itself
     steps = max(call["lengths"])
     model.set_adapter(agent.adapter)
-    sampling = {"do_sample": True, "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k or None}
+    sampling = {
+        "do_sample": True,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_k": params.top_k or None,
+    }
     start = time.perf_counter()
     with torch.no_grad():
         model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps,
@@ -111,7 +116,7 @@ def floor_update(update: dict) -> float:
 
 def measure(overrides: list[str], steps: int) -> dict[str, dict[str, float]]:
     """{phase: {"step": mean seconds, "floor": mean seconds or None}} over the measured steps."""
-    import magrpo.envs  # noqa: F401
+    import magrpo.envs
     import magrpo.external  # noqa: F401
     from magrpo.cli import compose
     from magrpo.trainer import train

@@ -88,15 +88,15 @@ def main() -> None:
     import torch
     import vllm
 
-    import magrpo.envs  # noqa: F401  (fills the env registry)
+    import magrpo.envs
     import magrpo.external  # noqa: F401  (fills the feedback registry)
-    from magrpo.cli import compose
-    from magrpo.feedback import Feedback
     from magrpo.backends import make_backend
+    from magrpo.cli import compose
+    from magrpo.envs.code.env import CodeEnv
+    from magrpo.feedback import Feedback
     from magrpo.generation import SamplingParams
     from magrpo.models import load_agents
     from magrpo.rollout import TreeSettings, expand_trees
-    from magrpo.envs.code.env import CodeEnv
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the shipped HumanEval copy
     cfg = compose(["env=code", "model=tiny", "backend=vllm", "logging.wandb.mode=disabled",
@@ -109,7 +109,8 @@ def main() -> None:
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
           f"vllm {vllm.__version__}, tiny model hidden {args.hidden} x {args.layers} layers, "
           f"B={args.problems} K={args.k} N={env.num_agents} max_new_tokens={args.max_new_tokens}")
-    print(f"{'mode':6} {'seqs':>5} {'magrpo tok/s':>13} {'raw tok/s':>10} {'ratio':>6} {'hit magrpo':>11} {'hit raw':>8}")
+    print(f"{'mode':6} {'seqs':>5} {'magrpo tok/s':>13} {'raw tok/s':>10} {'ratio':>6} "
+          f"{'hit magrpo':>11} {'hit raw':>8}")
     try:
         for mode in args.modes.split(","):
             recorder = Recorder(backend)
@@ -117,11 +118,11 @@ def main() -> None:
             level = recorder.calls[1]
             seqs = sum(r.n for r in level)
 
-            def ours():
+            def ours(level=level):
                 return sum(len(c.token_ids) for cs in backend.generate(level, params) for c in cs)
 
             mine, mine_hit = timed(ours, backend, args.repeats)
-            raw, raw_hit = timed(lambda: raw_generate(backend, level, params), backend, args.repeats)
+            raw, raw_hit = timed(lambda level=level: raw_generate(backend, level, params), backend, args.repeats)
             print(f"{mode:6} {seqs:5d} {mine:13.0f} {raw:10.0f} {mine / raw:6.2f} {mine_hit:11.2f} {raw_hit:8.2f}")
     finally:
         backend.close()

@@ -86,7 +86,7 @@ def seed_all(seed: int) -> None:
 # ---------------------------------------------------------------- magrpo
 
 def run_magrpo(mode: str, prompts: int, batch_size: int, turns: int, seed: int, quiet: bool) -> dict:
-    import magrpo.envs  # noqa: F401  (registers the env)
+    import magrpo.envs
     import magrpo.external  # noqa: F401  (registers the feedback modes)
     import magrpo.models as models
     from magrpo.cli import compose
@@ -277,9 +277,10 @@ def machine_facts(threads: int, default_threads: int) -> list[str]:
 
     def version(name: str) -> str:
         try:
+            from importlib.metadata import PackageNotFoundError
             from importlib.metadata import version as v
             return v(name)
-        except Exception:
+        except PackageNotFoundError:
             return "?"
 
     cpu = platform.processor() or platform.machine()
@@ -292,10 +293,10 @@ def machine_facts(threads: int, default_threads: int) -> list[str]:
         pass
     return [
         f"machine: {cpu}; os.cpu_count()={os.cpu_count()}; cuda available: {torch.cuda.is_available()}",
-        f"torch threads: intra-op {threads} (torch default {default_threads}), "
-        f"inter-op {torch.get_num_interop_threads()}",
-        f"python {platform.python_version()}; torch {torch.__version__}; transformers {transformers.__version__}; "
-        f"peft {version('peft')}; comlrl {version('comlrl')}; magrpo {version('magrpo')}",
+        (f"torch threads: intra-op {threads} (torch default {default_threads}), "
+         f"inter-op {torch.get_num_interop_threads()}"),
+        (f"python {platform.python_version()}; torch {torch.__version__}; transformers {transformers.__version__}; "
+         f"peft {version('peft')}; comlrl {version('comlrl')}; magrpo {version('magrpo')}"),
     ]
 
 
@@ -347,9 +348,10 @@ def main(argv=None) -> int:
     for line in machine_facts(threads, default_threads):
         print("  " + line)
     print("  " + cpu_state())
-    import magrpo.envs  # noqa: F401
-    import magrpo.external  # noqa: F401
     import transformers
+
+    import magrpo.envs
+    import magrpo.external  # noqa: F401
     from magrpo.tiny import tiny_model_path
 
     transformers.utils.logging.disable_progress_bar()  # "Loading weights" bars, once per model load

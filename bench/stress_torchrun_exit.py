@@ -52,8 +52,9 @@ def main() -> int:
             if "--collectives" in sys.argv:
                 runs = [("collectives", "tests/gloo_exit_probe.py", [])]
             else:
-                runs = [(label, "train.py", [*SETTINGS, *backend, f"logging.run_dir={run_dir}", *overrides]) for label, overrides in
-                        (("fresh", ["trainer.steps=2"]), ("resume", ["trainer.steps=3", "resume=auto"]))]
+                stages = (("fresh", ["trainer.steps=2"]), ("resume", ["trainer.steps=3", "resume=auto"]))
+                runs = [(label, "train.py", [*SETTINGS, *backend, f"logging.run_dir={run_dir}", *overrides])
+                        for label, overrides in stages]
             for label, script, script_args in runs:
                 start = time.perf_counter()
                 outcome, why = launch(script, *script_args)
@@ -62,7 +63,8 @@ def main() -> int:
                 if why:
                     print("    " + why.replace("\n", "\n    "), flush=True)
     total = sum(counts.values())
-    print(f"{total} torchrun runs: {counts['ok']} exited 0, {counts['aborted']} aborted, {counts['failed']} failed otherwise")
+    print(f"{total} torchrun runs: {counts['ok']} exited 0, {counts['aborted']} aborted, "
+          f"{counts['failed']} failed otherwise")
     return 0 if counts["ok"] == total else 1
 
 

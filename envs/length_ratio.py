@@ -93,6 +93,7 @@ def length_ratio_feedback(prompt, agent_completions, num_agents, prompt_history_
     """Tells every agent all agents' lengths this turn, then repeats its own first prompt."""
     lengths = ", ".join(f"agent {i}: {len(c)} characters" for i, c in enumerate(agent_completions))
     return [
-        f"{prompt_history_per_agent[i][0]}\nLast turn lengths: {lengths}.\nYour last answer: {agent_completions[i]}\nTry again."
+        f"{prompt_history_per_agent[i][0]}\nLast turn lengths: {lengths}.\n"
+        f"Your last answer: {agent_completions[i]}\nTry again."
         for i in range(num_agents)
     ]

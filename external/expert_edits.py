@@ -15,7 +15,7 @@ import sys
 from typing import Any, Mapping
 
 from magrpo.distributed import is_main_process
-from magrpo.feedback import Branch, FeedbackMode, FEEDBACK
+from magrpo.feedback import FEEDBACK, Branch, FeedbackMode
 from magrpo.metrics import Counter, Gauge
 
 from .expert.cache import open_cache
@@ -32,13 +32,16 @@ Problem:
 
 Test results: {results}
 
-Propose the smallest edits that make every test pass. Reply with only a JSON object with the keys {keys}: each value is the complete corrected code of that agent's function, or "" when it needs no change."""
+Propose the smallest edits that make every test pass. Reply with only a JSON object with the keys \
+{keys}: each value is the complete corrected code of that agent's function, or "" when it needs no change."""
 
 
 def expert_prompt(problem: str, context: Mapping[str, Any]) -> str:
     roles, functions = context["roles"], context["functions"]
-    codes = "\n\n".join(f"Agent {a} wrote `{functions[a]}` (key \"{roles[a]}\"):\n{fenced(context['code'][a] or '# (no code)')}"
-                        for a in range(len(roles)))
+    codes = "\n\n".join(
+        f'Agent {a} wrote `{functions[a]}` (key "{roles[a]}"):\n{fenced(context["code"][a] or "# (no code)")}'
+        for a in range(len(roles))
+    )
     if not context["ran"]:
         results = "not run (the program is incomplete)"
     elif context["timed_out"]:
@@ -46,7 +49,9 @@ def expert_prompt(problem: str, context: Mapping[str, Any]) -> str:
     else:
         results = f"{context['passed']}/{context['total']} passed"
         if context["first_failure"] is not None:
-            results += f"; first failing test: {context['first_failure']['case']} -> {context['first_failure']['error']}"
+            results += (
+                f"; first failing test: {context['first_failure']['case']} -> {context['first_failure']['error']}"
+            )
     return EXPERT_PROMPT.format(
         count={1: "one agent", 2: "two agents"}.get(len(roles), f"{len(roles)} agents"),
         roles=_roles_line(functions), problem=problem.strip(), codes=codes, results=results,
@@ -59,7 +64,9 @@ def _roles_line(functions: list[str]) -> str:
     helpers, entry = functions[:-1], functions[-1]
     if not helpers:
         return ""
-    who = ", ".join(f"agent {a} a helper `{h}`" if a else f"Agent 0 writes a helper `{h}`" for a, h in enumerate(helpers))
+    who = ", ".join(
+        f"agent {a} a helper `{h}`" if a else f"Agent 0 writes a helper `{h}`" for a, h in enumerate(helpers)
+    )
     calls = f"`{helpers[0]}`" if len(helpers) == 1 else "them"
     return f" {who}; agent {len(helpers)} writes `{entry}`, which may call {calls}."
 
@@ -126,8 +133,11 @@ class ExpertEdits(FeedbackMode):
         if not is_main_process():  # one start-up line per run, not per torchrun process
             return
         if self.expert.name == "reference":
-            print("magrpo: expert_edits uses the offline reference expert (no external.expert.base_url): its edits "
-                  "reveal the dataset's canonical solution when tests fail (docs/feedback.md, 'expert_edits')", file=sys.stderr)
+            print(
+                "magrpo: expert_edits uses the offline reference expert (no external.expert.base_url): its edits "
+                "reveal the dataset's canonical solution when tests fail (docs/feedback.md, 'expert_edits')",
+                file=sys.stderr,
+            )
         else:
             print(f"magrpo: expert_edits asks {self.expert.name} expert {self.expert.model!r}", file=sys.stderr)
 

@@ -18,7 +18,9 @@ def plain(prompt, agent_completions, num_agents, prompt_history_per_agent, respo
         for i in range(num_agents):
             parts = [prompt_history_per_agent[i][0]] if options.get("original_prompt", True) else []
             if options.get("history", False):
-                parts += [f"Your answer at turn {t + 1}:\n{r}" for t, r in enumerate(response_history_per_agent[i][:-1])]
+                parts += [
+                    f"Your answer at turn {t + 1}:\n{r}" for t, r in enumerate(response_history_per_agent[i][:-1])
+                ]
             parts.append(f"Your previous answer:\n{agent_completions[i]}")
             if options.get("show_partner", False):
                 parts += [f"Agent {j}'s previous answer:\n{agent_completions[j]}" for j in range(num_agents) if j != i]

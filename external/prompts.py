@@ -40,7 +40,9 @@ def assemble(
 ) -> str:
     """One agent's next-turn prompt in the code env."""
     options = context.get("options", {})
-    parts = [prompt_history[agent][0] if options.get("original_prompt", True) else role_line(context, agent, num_agents)]
+    parts = [
+        prompt_history[agent][0] if options.get("original_prompt", True) else role_line(context, agent, num_agents)
+    ]
     earlier = response_history[agent][:-1]
     if options.get("history", False) and earlier:
         attempts = "\n\n".join(f"Attempt {t + 1}:\n{fenced(code)}" for t, code in enumerate(earlier))

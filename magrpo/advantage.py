@@ -87,7 +87,9 @@ def own_values(team: np.ndarray, own: np.ndarray | None, team_weight: float) -> 
 
 def mix_rewards(team: np.ndarray, own: np.ndarray, team_weight: float) -> np.ndarray:
     """team (J,), own (J, N) -> (J, N): each agent's reward, team_weight x team + (1 - team_weight) x own."""
-    return team_weight * np.asarray(team, dtype=np.float64)[:, None] + (1 - team_weight) * np.asarray(own, dtype=np.float64)
+    return team_weight * np.asarray(team, dtype=np.float64)[:, None] + (1 - team_weight) * np.asarray(
+        own, dtype=np.float64
+    )
 
 
 @BASELINES.register("mean")
@@ -158,7 +160,9 @@ def agent_turn_group(node: int, tree: int, turn: int) -> Hashable:
     return tree, turn
 
 
-def pooled_advantages(values: Sequence[np.ndarray], baseline: str, scale: str) -> tuple[list[np.ndarray], list[np.ndarray]]:
+def pooled_advantages(
+    values: Sequence[np.ndarray], baseline: str, scale: str
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """values: (N, K_m) per node of one pool -> advantages (N, K_m) per node and each node's (N,)
     zero-variance mask, with one group per agent over all the pool's completions."""
     adv, zero = group_advantages(np.concatenate(values, axis=-1), baseline, scale)

@@ -259,7 +259,7 @@ def read(path: Path, agents: Sequence[Any], updaters: Sequence[Any]) -> dict[str
         trainer_state = torch.load(path / "trainer.pt", weights_only=False, map_location="cpu")
         parts = [torch.load(path / agent.adapter / "train.pt", weights_only=False, map_location="cpu")
                  for agent in agents]
-    except Exception as e:  # only a checkpoint without checksums gets here torn or garbled
+    except Exception as e:  # noqa: BLE001  only a checkpoint without checksums gets here torn or garbled
         raise ConfigError("resume", f"checkpoint {path} does not load ({describe(e)}); "
                                     f"move it away or give another with resume=PATH; nothing was changed") from None
     for agent, part, updater in zip(agents, parts, updaters):

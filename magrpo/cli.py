@@ -143,7 +143,6 @@ def main(argv: Sequence[str]) -> int:
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
     # Registries are filled by importing the built-in envs and feedback modes.
     from . import envs, external  # noqa: F401
-
     from .trainer import prepare, train
 
     try:

@@ -7,8 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
-from .errors import ConfigError  # noqa: F401  (re-exported: envs and users import it from here)
-
+from .errors import ConfigError
 
 JOINT_MODE_ALIASES = {"aligned": "align"}  # CoMLRL 1.4.3 spells align "aligned"; "crossed" is not an alias (see docs/porting.md)
 

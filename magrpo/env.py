@@ -17,7 +17,9 @@ class Scored:
     reward: float
     outcomes: dict[str, float]  # named numbers for evaluation ("reward" among them; "passed" turns on pass@k)
     context: dict[str, Any] = field(default_factory=dict)  # handed to feedback functions as **context
-    agent_rewards: list[float] | None = None  # one reward per agent (reward stays the team's); mixed by reward.team_weight
+    agent_rewards: list[float] | None = (
+        None  # one reward per agent (reward stays the team's); mixed by reward.team_weight
+    )
 
 
 class Environment:
@@ -66,7 +68,9 @@ class Environment:
         for key, value in state.items():
             setattr(self, key, value)
 
-    def outcomes(self, problems: Sequence[Mapping[str, Any]], joint_completions: Sequence[Sequence[str]]) -> list[dict[str, float]]:
+    def outcomes(
+        self, problems: Sequence[Mapping[str, Any]], joint_completions: Sequence[Sequence[str]]
+    ) -> list[dict[str, float]]:
         """Evaluation: named numbers per joint action, "reward" among them. A "passed" key (0/1)
         turns on pass@k. Default: the reward alone."""
         return [{"reward": r} for r in self.rewards(problems, joint_completions)]
@@ -111,7 +115,10 @@ def _build(schema: type, values: Mapping[str, Any], prefix: str, owner: str) -> 
         kind = hints[key]
         if dataclasses.is_dataclass(kind):
             if not isinstance(value, Mapping):
-                raise ConfigError(f"{prefix}.{key}", f"expected a mapping with keys {', '.join(f.name for f in dataclasses.fields(kind))}")
+                raise ConfigError(
+                    f"{prefix}.{key}",
+                    f"expected a mapping with keys {', '.join(f.name for f in dataclasses.fields(kind))}",
+                )
             out[key] = _build(kind, value, f"{prefix}.{key}", owner)
         else:
             out[key] = _coerce(f"{prefix}.{key}", value, kind)

@@ -78,7 +78,7 @@ def user_code(error: Callable[[Exception], Exception], keep: tuple[type[Exceptio
         yield
     except (ConfigError, *keep):
         raise
-    except Exception as e:  # noqa: BLE001  (user code: any error)
+    except Exception as e:
         raise error(e) from e
 
 

@@ -33,10 +33,11 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def run_paths(problems, env, backend, feedback, num_turns, sampling, seed: int | None = None,
-              world: World = World(), early_termination_threshold: float | None = None,
+              world: World | None = None, early_termination_threshold: float | None = None,
               on_reward_error: str = "raise") -> dict[int, list[tuple[int, dict]]]:
     """turn -> [(problem index, outcomes)] for one K=1 path per problem, in problem order. With
     several processes each runs its share of the problems and rank 0 gets them all (others: {})."""
+    world = world or World()  # one process
     start, stop = world.shard(len(problems))
     mine: dict[int, list[tuple[int, dict]]] = defaultdict(list)
     if stop > start:  # more processes than problems: some have none
@@ -68,7 +69,7 @@ def evaluate(
     sampling: SamplingParams,
     num_samples: int,
     seed: int | None = None,
-    world: World = World(),
+    world: World | None = None,
     early_termination_threshold: float | None = None,
     on_reward_error: str = "raise",
 ) -> dict[str, float]:
@@ -79,7 +80,9 @@ def evaluate(
     stop = dict(early_termination_threshold=early_termination_threshold, on_reward_error=on_reward_error)
     greedy = run_paths(problems, env, backend, feedback, num_turns, replace(sampling, greedy=True), world=world, **stop)
     repeated = [p for p in problems for _ in range(num_samples)]
-    sampled = run_paths(repeated, env, backend, feedback, num_turns, sampling, seed, world, **stop) if num_samples else {}
+    sampled = (
+        run_paths(repeated, env, backend, feedback, num_turns, sampling, seed, world, **stop) if num_samples else {}
+    )
     for turn in sorted(greedy):
         for key in greedy[turn][0][1]:
             out[f"eval/turn_{turn}/greedy_{key}_mean"] = float(np.mean([o[key] for _, o in greedy[turn]]))
@@ -97,7 +100,9 @@ def evaluate(
                 out[f"eval/turn_{turn}/pass@{k}"] = float(np.mean(values))
     last = num_turns - 1
     if f"eval/turn_{last}/pass@1_greedy" in out:
-        out["eval/improvement/pass@1_greedy"] = out[f"eval/turn_{last}/pass@1_greedy"] - out["eval/turn_0/pass@1_greedy"]
+        out["eval/improvement/pass@1_greedy"] = (
+            out[f"eval/turn_{last}/pass@1_greedy"] - out["eval/turn_0/pass@1_greedy"]
+        )
     if f"eval/turn_{last}/pass@1" in out:
         out["eval/improvement/pass@1"] = out[f"eval/turn_{last}/pass@1"] - out["eval/turn_0/pass@1"]
     out["perf/eval_s"] = time.perf_counter() - start

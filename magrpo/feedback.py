@@ -122,10 +122,15 @@ def raised(name: str, fn: Any, when: str, error: Exception) -> FeedbackError:
 
 
 def check_prompts(prompts: Any, num_agents: int, name: str) -> list[str]:
-    if not isinstance(prompts, (list, tuple)) or len(prompts) != num_agents or not all(isinstance(p, str) for p in prompts):
+    if (
+        not isinstance(prompts, (list, tuple))
+        or len(prompts) != num_agents
+        or not all(isinstance(p, str) for p in prompts)
+    ):
+        length = f" of length {len(prompts)}" if isinstance(prompts, (list, tuple)) else ""
         raise FeedbackError(
             f"feedback function {name!r} must return a list of {num_agents} prompt strings (one per agent), "
-            f"got {type(prompts).__name__}{'' if not isinstance(prompts, (list, tuple)) else f' of length {len(prompts)}'}"
+            f"got {type(prompts).__name__}{length}"
         )
     return list(prompts)
 
@@ -157,9 +162,12 @@ class Feedback:
         needed = getattr(self.mode if self.mode is not None else self.fn, "requires_context", frozenset())
         missing = sorted(set(needed) - set(getattr(self.env, "context_keys", ())))
         if missing:
-            raise ConfigError("external.mode", f"{self.name!r} reads feedback context that env "
-                              f"{type(self.env).__name__} does not provide ({', '.join(missing)}); use it with env=code "
-                              f"or pick a generic mode such as plain")
+            raise ConfigError(
+                "external.mode",
+                f"{self.name!r} reads feedback context that env "
+                f"{type(self.env).__name__} does not provide ({', '.join(missing)}); use it with env=code "
+                f"or pick a generic mode such as plain",
+            )
         if self.mode is not None:
             with user_code(lambda e: raised(self.name, self.mode.check, "at start-up", e)):
                 self.mode.check()
@@ -172,7 +180,9 @@ class Feedback:
             with user_code(failed, keep=(FeedbackError,)):
                 out = self.mode.batch(branches)
             if len(out) != len(branches):
-                raise FeedbackError(f"feedback mode {self.name!r} returned {len(out)} prompt lists for {len(branches)} branches")
+                raise FeedbackError(
+                    f"feedback mode {self.name!r} returned {len(out)} prompt lists for {len(branches)} branches"
+                )
             return [check_prompts(p, len(b.agent_completions), self.name) for p, b in zip(out, branches)]
         if self.max_concurrency <= 1 or len(branches) <= 1:
             return [call_feedback(self.fn, self.name, b, self._select) for b in branches]

@@ -60,7 +60,9 @@ class GenerationBackend(Protocol):
         ...
 
 
-def encode_requests(agents: Sequence, requests: Sequence[GenerationRequest], ids: Sequence[int]) -> dict[int, list[int]]:
+def encode_requests(
+    agents: Sequence, requests: Sequence[GenerationRequest], ids: Sequence[int]
+) -> dict[int, list[int]]:
     """Prompt token ids of requests[i] for i in ids, as the trainer will see them: one tokenizer call
     per agent (its chat template applied)."""
     by_agent: dict[int, list[int]] = {}

@@ -159,8 +159,12 @@ def load_agents(cfg: TrainConfig, num_agents: int) -> list[Agent]:
             key = "model.name" if name == cfg.model.name else f"agents[{i}].model"
             path = resolve_model_path(name, key, cfg.model.tiny_hidden_size, cfg.model.tiny_layers)
             try:
-                tok = AutoTokenizer.from_pretrained(path, padding_side="left", trust_remote_code=cfg.model.trust_remote_code)
-                base = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=cfg.model.trust_remote_code)
+                tok = AutoTokenizer.from_pretrained(
+                    path, padding_side="left", trust_remote_code=cfg.model.trust_remote_code
+                )
+                base = AutoModelForCausalLM.from_pretrained(
+                    path, dtype=dtype, trust_remote_code=cfg.model.trust_remote_code
+                )
             except OSError as e:  # not a local folder, and the hub has no such model or cannot be reached
                 first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
                 raise ConfigError(key, f"cannot load {name!r}: {first}") from None

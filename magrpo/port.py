@@ -170,14 +170,23 @@ def port(config: dict) -> Ported:
             put("env=code", "dataset.name")
             put(f"env.dataset={dataset}", "dataset.name")
         else:
-            out.unmapped.append(("dataset.name", f"{name!r} is not one of the code env's datasets "
-                                                 "(humaneval, coophumaneval, mbpp); export it to a .jsonl for env.dataset"))
+            out.unmapped.append(
+                (
+                    "dataset.name",
+                    f"{name!r} is not one of the code env's datasets "
+                    "(humaneval, coophumaneval, mbpp); export it to a .jsonl for env.dataset",
+                )
+            )
     simple("dataset.train_split", "env.train_split")
     simple("dataset.eval_split", "env.eval_split")
     simple("seed", "trainer.seed")
 
     # Sampling: LLM_Collab reads magrpo.* first, then the model section.
-    for leaf, target in (("temperature", "generation.temperature"), ("top_p", "generation.top_p"), ("top_k", "generation.top_k")):
+    for leaf, target in (
+        ("temperature", "generation.temperature"),
+        ("top_p", "generation.top_p"),
+        ("top_k", "generation.top_k"),
+    ):
         chosen = f"magrpo.{leaf}" if f"magrpo.{leaf}" in keys else f"model.{leaf}"
         for key in (f"magrpo.{leaf}", f"model.{leaf}"):
             if key in keys and key != chosen:
@@ -196,9 +205,13 @@ def port(config: dict) -> Ported:
             put("trainer.joint_mode=align", "magrpo.joint_mode")
         elif mode == "cross":
             put("trainer.joint_mode=cross", "magrpo.joint_mode")
-            put("trainer.cross_credit=sum", "magrpo.joint_mode",
+            put(
+                "trainer.cross_credit=sum",
+                "magrpo.joint_mode",
                 "cross credit: CoMLRL gives a completion the SUM of the returns of the joint actions containing "
-                "it, so set trainer.cross_credit=sum here; magrpo's default (mean) keeps advantages on the reward's scale")
+                "it, so set trainer.cross_credit=sum here; magrpo's default (mean) keeps advantages on the reward's "
+                "scale",
+            )
         else:
             out.unmapped.append(("magrpo.joint_mode", f"{mode!r}: CoMLRL 1.4.3 forms cross joint actions for 'crossed' "
                                  "but assigns credit as in align mode; choose cross or align explicitly"))
@@ -243,14 +256,23 @@ def port(config: dict) -> Ported:
         done.update({"magrpo.reference_kl_enabled", "magrpo.reference_kl_coef"})  # off, as magrpo's default
     simple("magrpo.eval_num_samples", "eval.num_samples")
     if "magrpo.eval_interval" in keys:
-        put(f"eval.every={hydra_value(take('magrpo.eval_interval'))}", "magrpo.eval_interval",
-            "eval interval: CoMLRL counts training prompts, magrpo counts optimizer steps (trainer.batch_size trees each)")
+        put(
+            f"eval.every={hydra_value(take('magrpo.eval_interval'))}",
+            "magrpo.eval_interval",
+            "eval interval: CoMLRL counts training prompts, magrpo counts optimizer steps "
+            "(trainer.batch_size trees each)",
+        )
 
     # Reward: CoMLRL applies r * scale_factor + shift; the code env computes (levels + shift) * scale.
     shift = keys.get("reward_processor.shift", keys.get("magrpo.reward_shift"))
     scale = keys.get("reward_processor.scale_factor", 1.0)
     enabled = keys.get("reward_processor.enabled", "reward_processor.shift" not in keys)
-    for key in ("reward_processor.enabled", "reward_processor.shift", "reward_processor.scale_factor", "magrpo.reward_shift"):
+    for key in (
+        "reward_processor.enabled",
+        "reward_processor.shift",
+        "reward_processor.scale_factor",
+        "magrpo.reward_shift",
+    ):
         if key in keys:
             done.add(key)
     if enabled and (shift or scale != 1.0):
@@ -270,7 +292,9 @@ def port(config: dict) -> Ported:
         if mode in FEEDBACK_MODES:
             put(f"external={mode}", "external.mode")
         else:
-            out.unmapped.append(("external.mode", f"{mode!r} is not one of magrpo's modes: {', '.join(FEEDBACK_MODES)}"))
+            out.unmapped.append(
+                ("external.mode", f"{mode!r} is not one of magrpo's modes: {', '.join(FEEDBACK_MODES)}")
+            )
     simple("external.original_prompt", "external.original_prompt")
     if "external.previous_response" in keys:
         if take("external.previous_response"):

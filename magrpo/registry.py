@@ -45,6 +45,10 @@ def _where(obj: object) -> str:
 def _twice_hint(old: object, new: object) -> str:
     """One module imported under two names (a checkout's `envs.x` beside the installed `magrpo.envs.x`)."""
     names = sorted({getattr(old, "__module__", ""), getattr(new, "__module__", "")}, key=len)
-    if len(names) == 2 and names[1] == f"magrpo.{names[0]}" and getattr(old, "__qualname__", 1) == getattr(new, "__qualname__", 2):
+    if (
+        len(names) == 2
+        and names[1] == f"magrpo.{names[0]}"
+        and getattr(old, "__qualname__", 1) == getattr(new, "__qualname__", 2)
+    ):
         return f" (one module imported twice: import it as {names[1]})"
     return ""

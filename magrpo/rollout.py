@@ -41,7 +41,9 @@ EXPAND_DRAWS = 0x45585044  # a stream domain of its own for random:M (never a sa
 RESAMPLE_DRAWS = 0x52534D50  # the same for the regenerated samples of dynamic sampling
 
 
-def score_guarded(env: Environment, owners: list, texts: list, on_error: str, turn: int) -> tuple[list[Scored], list[bool]]:
+def score_guarded(
+    env: Environment, owners: list, texts: list, on_error: str, turn: int
+) -> tuple[list[Scored], list[bool]]:
     """env.score over a whole turn; on failure, each joint action alone, to name (raise) or zero the bad ones."""
     try:
         scored = env.score(owners, texts)
@@ -58,9 +60,11 @@ def score_guarded(env: Environment, owners: list, texts: list, on_error: str, tu
             error = describe(e)
         if error is not None and on_error == "raise":
             problem = problem_name(owner)
-            raise RewardError(f"env {type(env).__name__} ({qualified_name(type(env))}.score) failed on joint action {i} "
-                              f"of turn {turn} (problem {problem!r}, "
-                              f"completions {[t[:40] for t in joint_texts]}): {error}; set reward.on_error=zero to score it 0")
+            raise RewardError(
+                f"env {type(env).__name__} ({qualified_name(type(env))}.score) failed on joint action {i} "
+                f"of turn {turn} (problem {problem!r}, "
+                f"completions {[t[:40] for t in joint_texts]}): {error}; set reward.on_error=zero to score it 0"
+            )
         out.append(one if error is None else Scored(0.0, {"reward": 0.0}))
         failed.append(error is not None)
     return out, failed
@@ -126,8 +130,9 @@ def expand_trees(
                 return None
             return stream_key(node.stream, a) if attempt == 0 else stream_key(node.stream, RESAMPLE_DRAWS, attempt, a)
 
-        samples = backend.generate([GenerationRequest(node.prompts[a], a, k, key(node, a)) for node in at for a in range(n)],
-                                   sampling)
+        samples = backend.generate(
+            [GenerationRequest(node.prompts[a], a, k, key(node, a)) for node in at for a in range(n)], sampling
+        )
         for i, node in enumerate(at):
             node.completions = samples[i * n : (i + 1) * n]
             node.joint = joint
@@ -256,9 +261,13 @@ def merge_rollouts(parts: Sequence[Rollout]) -> Rollout:
     return Rollout(
         problems=[problem for part in parts for problem in part.problems],
         nodes=nodes,
-        timings={key: max(part.timings.get(key, 0.0) for part in parts) for key in parts[0].timings},  # the slowest rank
-        terminated_per_turn=[sum(part.terminated_per_turn[t] for part in parts if t < len(part.terminated_per_turn))
-                             for t in range(turns)],
+        timings={
+            key: max(part.timings.get(key, 0.0) for part in parts) for key in parts[0].timings
+        },  # the slowest rank
+        terminated_per_turn=[
+            sum(part.terminated_per_turn[t] for part in parts if t < len(part.terminated_per_turn))
+            for t in range(turns)
+        ],
         reward_errors=sum(part.reward_errors for part in parts),
         resampled_nodes=sum(part.resampled_nodes for part in parts),
     )
@@ -278,7 +287,9 @@ def assign_advantages(nodes: list[Node], discount: float, cross_credit: str, bas
     values = []
     for node, g, mine in zip(nodes, returns, per_agent):
         node.returns, node.agent_returns = g, mine
-        values.append(agent_credit(node.joint, g if mine is None else mine, len(node.completions[0]), cross_credit))  # (N, K)
+        values.append(
+            agent_credit(node.joint, g if mine is None else mine, len(node.completions[0]), cross_credit)
+        )  # (N, K)
     pools: dict = {}
     group_key = GROUP_BY.get(group_by)
     for m, node in enumerate(nodes):

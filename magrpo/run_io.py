@@ -182,6 +182,9 @@ class RunWriter:
         if mode != "disabled":
             import wandb
 
+            # wandb's own telemetry follows the process-wide settings, not init(mode=...): without this an
+            # offline run still sends it to wandb's server from a background thread.
+            wandb.setup(settings=wandb.Settings(mode=mode))
             self.wandb = wandb.init(
                 project=wandb_cfg.project, entity=wandb_cfg.entity, name=wandb_cfg.name or path.name,
                 group=wandb_cfg.group, tags=list(wandb_cfg.tags) or None, mode=mode, config=dict(config),

@@ -153,10 +153,17 @@ def _build(spec: TinySpec, out: Path, files: list[Path]) -> None:
     eos_id, pad_id = hf_tok.convert_tokens_to_ids(EOS_TOKEN), hf_tok.convert_tokens_to_ids(PAD_TOKEN)
     config = Qwen2Config(
         vocab_size=tok.get_vocab_size(),  # the trained size, which can fall short of spec.vocab_size
-        hidden_size=spec.hidden_size, num_hidden_layers=spec.num_hidden_layers,
-        intermediate_size=spec.intermediate_size, num_attention_heads=spec.num_attention_heads,
-        num_key_value_heads=spec.num_key_value_heads, max_position_embeddings=spec.max_position_embeddings,
-        tie_word_embeddings=True, initializer_range=spec.init_std, bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=pad_id,
+        hidden_size=spec.hidden_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        intermediate_size=spec.intermediate_size,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=True,
+        initializer_range=spec.init_std,
+        bos_token_id=eos_id,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
     )
     torch.manual_seed(spec.seed)
     model = Qwen2ForCausalLM(config)

@@ -5,6 +5,7 @@ import random
 import sys
 import time
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -20,8 +21,8 @@ from .errors import ConfigError, TrainingError, log_traceback
 from .evaluation import evaluate
 from .feedback import Feedback
 from .generation import SamplingParams
-from .loss import kept_completions
 from .guards import BadSteps, Halvable, oom_retry
+from .loss import kept_completions
 from .metrics import Counter, Maximum, reduce_over_ranks
 from .rollout import (
     Rollout,
@@ -75,7 +76,9 @@ def prepare(cfg: TrainConfig) -> tuple[Environment, Feedback]:
     # Every key the env runs with, its Config's defaults included: config.json, --cfg and resume see them all.
     cfg.env = {"name": cfg.env["name"], **asdict(env.cfg)}
     if len(cfg.agents) > env.num_agents:
-        raise ConfigError("agents", f"{len(cfg.agents)} entries for {env.num_agents} agent(s); give at most one per agent")
+        raise ConfigError(
+            "agents", f"{len(cfg.agents)} entries for {env.num_agents} agent(s); give at most one per agent"
+        )
     _check_split(env, "train")
     if evaluates(cfg):
         _check_split(env, "eval")
@@ -96,7 +99,11 @@ def _check_split(env: Environment, split: str) -> None:
     if not problems:
         key = env.split_keys.get(split, "env")
         value = getattr(env.cfg, key.partition(".")[2], None)
-        hint = "" if split == "train" else "; or turn evaluation off: eval.at_end=false (and eval.every=0, eval.at_start=false)"
+        hint = (
+            ""
+            if split == "train"
+            else "; or turn evaluation off: eval.at_end=false (and eval.every=0, eval.at_start=false)"
+        )
         what = f"{value!r} selects no {split} problems" if value is not None else f"the {split} split has no problems"
         raise ConfigError(key, f"{what}; give a split with at least one{hint}")
 
@@ -177,7 +184,9 @@ class Run:
         self.sampling = SamplingParams(generation.max_new_tokens, generation.temperature, generation.top_p,
                                        generation.top_k, logprobs=True)
         if world.is_main:
-            print(startup_line(cfg, env.num_agents, world.size, step_size(cfg, env.num_agents), self.dir), file=sys.stderr)
+            print(
+                startup_line(cfg, env.num_agents, world.size, step_size(cfg, env.num_agents), self.dir), file=sys.stderr
+            )
         self.bar = progress_bar(trainer.steps, cfg.logging.progress and world.is_main, initial=self.first_step - 1)
         self.stop = StopSignals()
 
@@ -223,11 +232,14 @@ class Run:
             # Taken once, outside the retry: a rank that retries after an out-of-memory (in its forward
             # or backward) then meets the others at the gradient all-reduce.
             counts = updater.batch_counts(samples, self.update_settings.per_token_coef, self.world)
-            agent_stats.append(oom_retry(
-                lambda: updater.step(samples, self.update_settings, self.micro_batch.value, self.world, counts),
-                self.micro_batch.halve, self.micro_batch.setting))
+            step = partial(self._agent_step, updater, samples, counts)
+            agent_stats.append(oom_retry(step, self.micro_batch.halve, self.micro_batch.setting))
         self.backend.sync_weights()  # adapters reach the generator (vllm: new version, checked by the guard)
         return agent_stats, time.perf_counter() - start
+
+    def _agent_step(self, updater: AgentUpdater, samples: list[TrainSample], counts: tuple) -> dict[str, float]:
+        # The micro-batch size is read at each try: a retry after an out-of-memory gets the halved one.
+        return updater.step(samples, self.update_settings, self.micro_batch.value, self.world, counts)
 
     def step_metrics(self, step: int, rollout: Rollout, agent_stats: list[dict], collected: dict,
                      update_s: float) -> tuple[dict[str, float], Rollout | None]:
@@ -262,8 +274,11 @@ class Run:
                        on_reward_error=self.cfg.reward.on_error)
         if self.world.is_main:
             last = trainer.num_turns - 1
-            summary = ", ".join(f"{key.split('/', 2)[2]} {out[key]:.3f}" for key in
-                                (f"eval/turn_{last}/greedy_reward_mean", f"eval/turn_{last}/pass@1_greedy") if key in out)
+            summary = ", ".join(
+                f"{key.split('/', 2)[2]} {out[key]:.3f}"
+                for key in (f"eval/turn_{last}/greedy_reward_mean", f"eval/turn_{last}/pass@1_greedy")
+                if key in out
+            )
             bar.write(f"magrpo: eval turn {last + 1}: {summary} ({out['perf/eval_s']:.0f} s)", file=sys.stderr)
         return out
 
@@ -303,7 +318,9 @@ class Run:
         ranks = self.world.gather({"rng": checkpoint.rng_state(), "env": self.env.state()})
         if self.world.is_main:
             state = {"step": step, "env_step": self.env_step, "sampler": self.sampler.state(), "ranks": ranks}
-            checkpoint.save(self.dir, step, self.agents, self.updaters, state, asdict(self.cfg), self.cfg.checkpoint.keep)
+            checkpoint.save(
+                self.dir, step, self.agents, self.updaters, state, asdict(self.cfg), self.cfg.checkpoint.keep
+            )
 
     def announce_stop(self, step: int) -> None:
         if self.world.is_main:
@@ -325,7 +342,9 @@ def _samples_of(rollout: Rollout, agent: int, mask_truncated: bool = False) -> l
             for node, k, c in (completions[i] for i in kept)]
 
 
-def _whole_batch_metrics(parts: list[dict], agent_stats: list[dict], num_turns: int) -> tuple[Rollout, dict[str, float]]:
+def _whole_batch_metrics(
+    parts: list[dict], agent_stats: list[dict], num_turns: int
+) -> tuple[Rollout, dict[str, float]]:
     """Rank 0: every rank's trees merged as one process would have built them, and the step's tree,
     reward, agent and speed metrics over the whole batch."""
     whole = merge_rollouts([part["rollout"] for part in parts])  # nodes keep the advantages their rank gave them
@@ -368,7 +387,9 @@ def _metrics(rollout: Rollout, agent_stats: list[dict], num_turns: int) -> dict[
             out[f"train/agent_{a}/{key}"] = value
         out[f"train/agent_{a}/adv_abs_mean"] = float(np.mean([np.abs(n.advantages[a]).mean() for n in nodes]))
         out[f"train/agent_{a}/frac_zero_std"] = float(zero_std[:, a].mean())
-        out[f"train/agent_{a}/truncated_frac"] = float(np.mean([not c.finished for n in nodes for c in n.completions[a]]))
+        out[f"train/agent_{a}/truncated_frac"] = float(
+            np.mean([not c.finished for n in nodes for c in n.completions[a]])
+        )
         own = [n.agent_rewards[:, a] for n in nodes if n.agent_rewards is not None]
         if own:  # the env gives per-agent rewards: agent a's own, before mixing with the team's
             out[f"train/agent_{a}/reward_mean"] = float(np.concatenate(own).mean())

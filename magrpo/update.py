@@ -195,13 +195,13 @@ class AgentUpdater:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warm))
 
     def step(self, samples: list[TrainSample], settings: UpdateSettings, micro_batch_size: int,
-             world: World = World(), counts: tuple[float, float, float] | None = None) -> dict[str, float]:
+             world: World | None = None, counts: tuple[float, float, float] | None = None) -> dict[str, float]:
         """One optimizer step on this agent's samples (with data parallelism: this rank's share; the
         loss is normalised over all ranks' samples and the gradients summed, so every rank takes the
         step the whole batch gives). `counts`: `batch_counts` of the same samples, when the caller
         took them already (a retry after an out-of-memory must not repeat that collective). Returns
         the step's numbers over all ranks."""
-        s = settings
+        s, world = settings, world or World()
         model, agent = self.agent.model, self.agent
         device = next(model.parameters()).device
         lengths = torch.tensor([len(s.completion_ids) for s in samples], dtype=torch.long)

@@ -41,7 +41,8 @@ def validate(cfg: TrainConfig) -> None:
         if cfg.backend == "vllm" and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
             # In-process, vLLM's worker adopts the already initialised default group: torchrun's.
             raise ConfigError("backend", "vllm under torchrun runs each engine in processes of its own; "
-                                         "VLLM_ENABLE_V1_MULTIPROCESSING=0 would put it in torchrun's process group: unset it")
+                                         "VLLM_ENABLE_V1_MULTIPROCESSING=0 would put it in torchrun's process "
+                                         "group: unset it")
     above("trainer.dist_timeout_min", t.dist_timeout_min, 0)
     from .distributed import is_main_process
 

@@ -12,10 +12,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import magrpo.external  # noqa: E402,F401  (registers the modes)
-from magrpo.envs.code.env import CodeEnv  # noqa: E402
-from magrpo.config import ExternalConfig  # noqa: E402
-from magrpo.feedback import Branch, Feedback  # noqa: E402
+import magrpo.external  # noqa: F401  (registers the modes)
+from magrpo.config import ExternalConfig
+from magrpo.envs.code.env import CodeEnv
+from magrpo.feedback import Branch, Feedback
 
 MODES = ["plain", "level_feedback", "level_passed", "passed", "expert_edits"]
 AUX = "def aux(x):\n    return x - int(x)\n"

@@ -1,7 +1,10 @@
 """Shared fixtures: a composed, shrunk config for end-to-end tests on the tiny model (CPU, seconds)."""
 from __future__ import annotations
 
+import socket
 import sys
+import threading
+import traceback
 from pathlib import Path
 
 import pytest
@@ -10,7 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # `tests.feedback_probe` and train.py's packages import from the root
     sys.path.insert(0, str(ROOT))
 
-import magrpo.envs  # noqa: E402,F401  (fills the env registry)
+import magrpo.envs  # noqa: E402  (fills the env registry)
 import magrpo.external  # noqa: E402,F401  (fills the feedback registry)
 from magrpo.cli import compose  # noqa: E402
 from tests.openai_server import server  # noqa: E402,F401  (fixture: an OpenAI-compatible HTTP server)
@@ -30,6 +33,56 @@ SMALL = [
 ]
 
 
+LOCAL_HOSTS = {None, "", "localhost", "127.0.0.1", "::1", "0.0.0.0"}
+
+
+@pytest.fixture(autouse=True)
+def no_network(monkeypatch):
+    """Every test runs offline: the hub libraries are in offline mode even when they were imported before
+    HF_HUB_OFFLINE was set (they read it once, at import), and a test that looks up or connects to another
+    machine fails at teardown, even where the code under test swallows the error (no network here
+    would otherwise hide an attempt that downloads elsewhere). Processes the tests start get the env var."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    for module in ("huggingface_hub.constants", "datasets.config"):
+        if module in sys.modules:
+            monkeypatch.setattr(sys.modules[module], "HF_HUB_OFFLINE", True)
+    tried: list[str] = []
+
+    def refuse(host, port) -> None:
+        # who asked: another thread (a library's background worker) may outlive the test that started it
+        caller = traceback.extract_stack()[-4]
+        tried.append(f"{host}:{port} (thread {threading.current_thread().name}, "
+                     f"{caller.filename}:{caller.lineno} {caller.name})")
+        raise OSError(f"tests are offline: {host}:{port} refused")
+
+    real_getaddrinfo = socket.getaddrinfo
+    real_connect, real_connect_ex = socket.socket.connect, socket.socket.connect_ex
+
+    def getaddrinfo(host, port, *args, **kwargs):
+        if host not in LOCAL_HOSTS:
+            refuse(host, port)
+        return real_getaddrinfo(host, port, *args, **kwargs)
+
+    def remote(sock, address) -> bool:
+        return sock.family in (socket.AF_INET, socket.AF_INET6) and address[0] not in LOCAL_HOSTS
+
+    def connect(sock, address):
+        if remote(sock, address):
+            refuse(*address[:2])
+        return real_connect(sock, address)
+
+    def connect_ex(sock, address):
+        if remote(sock, address):
+            refuse(*address[:2])
+        return real_connect_ex(sock, address)
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    monkeypatch.setattr(socket.socket, "connect", connect)
+    monkeypatch.setattr(socket.socket, "connect_ex", connect_ex)
+    yield
+    assert not tried, f"the test tried the network: {', '.join(tried)}"
+
+
 @pytest.fixture
 def make_cfg(tmp_path):
     """make_cfg("trainer.joint_mode=cross", ...) -> TrainConfig writing into tmp_path/run."""
@@ -38,6 +91,31 @@ def make_cfg(tmp_path):
         return compose([*SMALL, f"logging.run_dir={tmp_path / 'run'}", *overrides])
 
     return make
+
+
+@pytest.fixture
+def run_cli(tmp_path, monkeypatch, capsys):
+    """run_cli(*argv) -> (exit code, non-blank stderr lines) of `train.py argv`, in-process, in tmp_path
+    (the default run dir lands there). Loading a model fails the test: every bad input must stop before."""
+    import torch
+
+    import magrpo.models
+    from magrpo.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / ".hf"))
+    monkeypatch.setenv("MAGRPO_CACHE", str(tmp_path / ".cache"))
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc holding a wandb key
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("NETRC", raising=False)
+    monkeypatch.setattr(magrpo.models, "load_agents", lambda *a, **k: pytest.fail("a model was loaded"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # model.device=cuda fails on GPU machines too
+
+    def run(*argv: str) -> tuple[int, list[str]]:
+        code = main(list(argv))
+        return code, [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+
+    return run
 
 
 @pytest.fixture(scope="module")

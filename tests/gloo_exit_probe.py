@@ -11,7 +11,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from magrpo.distributed import world_from_env  # noqa: E402
+from magrpo.distributed import world_from_env
 
 
 def gloo_threads() -> list[str]:

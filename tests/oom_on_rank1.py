@@ -7,10 +7,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
+import torch
 
-import magrpo.update as update  # noqa: E402
-from magrpo.cli import main  # noqa: E402
+import magrpo.update as update
+from magrpo.cli import main
 
 real = update.forward_logprobs
 

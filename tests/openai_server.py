@@ -9,8 +9,8 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Callable
 
 import pytest
 
@@ -82,7 +82,8 @@ def _handler(state: FakeOpenAI) -> type[BaseHTTPRequestHandler]:
         def _serve(self) -> None:
             length = int(self.headers.get("Content-Length") or 0)
             raw = self.rfile.read(length) if length else b""
-            request = {"path": self.path, "headers": {k.lower(): v for k, v in self.headers.items()}, "json": json.loads(raw) if raw else None}
+            request = {"path": self.path, "headers": {k.lower(): v for k, v in self.headers.items()},
+                       "json": json.loads(raw) if raw else None}
             with state.lock:
                 state.requests.append(request)
                 script = state.scripts.get(self.path)

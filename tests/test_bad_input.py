@@ -8,32 +8,15 @@ import time
 import pytest
 import torch
 
-import magrpo.models
-from magrpo.cli import main
 from tests.conftest import SMALL
 
 CODE = ["env=code", "model=tiny", "external=plain", "env.train_split='test[:2]'", "env.eval_split='test[2:3]'"]
 
 
 @pytest.fixture
-def run_main(tmp_path, monkeypatch, capsys):
-    """main(SMALL + overrides) in tmp_path (the default run dir lands there): (exit code, stderr lines).
-    Loading a model fails the test: every case must stop before that."""
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # never the network: the shipped HumanEval, no hub lookups
-    monkeypatch.setenv("HF_HOME", str(tmp_path / ".hf"))
-    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc holding a wandb key
-    monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    monkeypatch.delenv("NETRC", raising=False)
-    monkeypatch.setattr(magrpo.models, "load_agents", lambda *a, **k: pytest.fail("a model was loaded"))
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # model.device=cuda fails on GPU machines too
-
-    def run(*overrides: str) -> tuple[int, list[str]]:
-        code = main([*SMALL, *overrides])
-        lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-        return code, lines
-
-    return run
+def run_main(run_cli):
+    """main(SMALL + overrides): (exit code, stderr lines); see run_cli in conftest.py."""
+    return lambda *overrides: run_cli(*SMALL, *overrides)
 
 
 def jsonl(path, *lines: str) -> str:
@@ -41,8 +24,8 @@ def jsonl(path, *lines: str) -> str:
     return str(path)
 
 
-GOOD = json.dumps({"task_id": "t/0", "prompt": "def f(x):\n", "test": "def check(candidate):\n    assert candidate(1)\n",
-                   "entry_point": "f"})
+GOOD = json.dumps({"task_id": "t/0", "prompt": "def f(x):\n",
+                   "test": "def check(candidate):\n    assert candidate(1)\n", "entry_point": "f"})
 
 # (overrides, key named by the line, words the line must contain); {tmp} is the test's folder
 CASES = [
@@ -53,7 +36,8 @@ CASES = [
     ([*CODE, "env.train_split='train[:2]'"], "env.train_split", ["unknown split 'train'"]),
     ([*CODE, "env.dataset={tmp}/missing.jsonl"], "env.dataset", ["missing.jsonl: no such file"]),
     ([*CODE, "env.dataset={tmp}/bad.jsonl"], "env.dataset", ["bad.jsonl line 3: not valid JSON"]),
-    ([*CODE, "env.dataset={tmp}/fields.jsonl"], "env.dataset", ["fields.jsonl line 2: record lacks string field(s) test, entry_point"]),
+    ([*CODE, "env.dataset={tmp}/fields.jsonl"], "env.dataset",
+     ["fields.jsonl line 2: record lacks string field(s) test, entry_point"]),
     ([*CODE, "env.dataset={tmp}/list.jsonl"], "env.dataset", ["list.jsonl line 1: expected a JSON object"]),
     ([*CODE, "env.dataset={tmp}/empty.jsonl"], "env.dataset", ["empty.jsonl: no records (the file is empty)"]),
     ([*CODE, "env.dataset={tmp}/folder.jsonl"], "env.dataset", ["folder.jsonl: a folder, not a file"]),

@@ -60,8 +60,8 @@ def test_canonical_solution_split_into_aux_and_main_scores_full_reward(env):
     assert env.sandbox_runs == 2
 
 
-def test_code_env_trains_two_steps_on_the_tiny_model(make_cfg, monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+@pytest.mark.slow
+def test_code_env_trains_two_steps_on_the_tiny_model(make_cfg):
     run = train(make_cfg("env=code", "env.train_split='test[:4]'", "env.eval_split='test[4:6]'",
                          "external=plain", "generation.max_new_tokens=24", "eval.at_start=true"))
     before, *metrics = [json.loads(line) for line in open(run / "metrics.jsonl")]
@@ -79,10 +79,9 @@ def test_code_env_trains_two_steps_on_the_tiny_model(make_cfg, monkeypatch):
     assert last["env/skipped_problems"] == 0  # HumanEval 0-5 all parse
 
 
-def test_reward_weights_come_from_config(make_cfg, monkeypatch):
+def test_reward_weights_come_from_config(make_cfg):
     from magrpo.env import make_env
 
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     cfg = make_cfg("env=code", "env.reward.shift=-2.0", "env.reward.scale=0.5", "env.reward.non_wrapper=2")
     env = make_env(cfg.env)
     problem = env.problems("train")[0]
@@ -99,10 +98,10 @@ def test_unknown_reward_key_is_a_config_error(make_cfg):
         make_env(cfg.env)
 
 
-def test_all_164_canonical_solutions_pass_through_the_sandbox_and_the_judge(monkeypatch):
+@pytest.mark.slow
+def test_all_164_canonical_solutions_pass_through_the_sandbox_and_the_judge():
     """Case semantics kept end to end (candidate process + judge process + plain data): every shipped
     canonical solution passes all its cases, a stub passes none, and no case is unsupported."""
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     env = CodeEnv(CodeEnv.Config(num_agents=1, train_split="test", eval_split="test[:1]"))
     problems = env.problems("train")
     assert len(problems) == 164 and env.unsupported == 0
@@ -119,9 +118,11 @@ def test_all_164_canonical_solutions_pass_through_the_sandbox_and_the_judge(monk
 # The env keeps only the functions of a completion (and the prompt's imports): attacks live inside them.
 HOSTILE_MAINS = {
     "always_equal": "def truncate_number(number):\n    class Yes:\n        __eq__ = lambda self, other: True\n"
-                    "        __sub__ = lambda self, other: self\n        __abs__ = lambda self: 0.0\n    return Yes()\n",
+                    "        __sub__ = lambda self, other: self\n        __abs__ = lambda self: 0.0\n"
+                    "    return Yes()\n",
     "bytecode_peek": "def truncate_number(number):\n    import sys\n"
-                     "    consts = list(sys._getframe(1).f_code.co_consts)\n    return consts[consts.index(number) + 1]\n",
+                     "    consts = list(sys._getframe(1).f_code.co_consts)\n"
+                     "    return consts[consts.index(number) + 1]\n",
     "mutate_cases": "def truncate_number(number, _=__import__('sys')._getframe(1).f_locals['cases'].__setitem__(\n"
                     "        slice(None), ['pass'] * 3)):\n    return 0.0\n",
     "forge_via_frames": "def truncate_number(number):\n    import os, sys\n    frame = sys._getframe()\n"
@@ -159,7 +160,8 @@ SEMANTICS = [  # (name, prompt, test, correct solution, wrong solution)
      "def flags(x):\n    return (x % 2 == 0, frozenset(int(d) for d in str(x)))\n",
      "def flags(x):\n    return (1 if x % 2 == 0 else 0, frozenset(int(d) for d in str(x)))\n"),
     ("loops_helpers_and_dicts", "def count(s):\n    \"\"\"Letter counts.\"\"\"\n",
-     "import random\nrandom.seed(1)\ndef reference(s):\n    out = {}\n    for c in s:\n        out[c] = out.get(c, 0) + 1\n"
+     "import random\nrandom.seed(1)\ndef reference(s):\n    out = {}\n    for c in s:\n"
+     "        out[c] = out.get(c, 0) + 1\n"
      "    return out\n\ndef check(candidate):\n    for _ in range(20):\n"
      "        s = ''.join(random.choice('abc') for _ in range(random.randint(0, 8)))\n"
      "        assert candidate(s) == reference(s), s\n    assert candidate('') == {}\n",

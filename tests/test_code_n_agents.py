@@ -7,10 +7,10 @@ import json
 
 import pytest
 
+from magrpo.config import ConfigError, ExternalConfig
 from magrpo.envs.code.env import CodeEnv
 from magrpo.envs.code.reward import analyze, helper_names, score
 from magrpo.external.expert_edits import ExpertEdits, LLMExpert
-from magrpo.config import ConfigError, ExternalConfig
 from magrpo.feedback import Branch, Feedback
 
 # --- reward levels, static (no sandbox): `passed`/`total` come in as numbers -----------------------
@@ -139,7 +139,9 @@ def next_prompts(env, mode, texts, **options):
     context = env.score([problem], [texts])[0].context
     feedback = Feedback(ExternalConfig(mode=mode, **options), env)
     feedback.check()
-    (out,) = feedback([Branch(problem["prompt"], list(texts), [[p] for p in first], [[t] for t in texts], dict(context))])
+    (out,) = feedback(
+        [Branch(problem["prompt"], list(texts), [[p] for p in first], [[t] for t in texts], dict(context))]
+    )
     return first, out, context
 
 
@@ -149,7 +151,9 @@ def addresses_every_agent(first, out, context):
     for a, prompt in enumerate(out):
         assert prompt.startswith(first[a] + "\n\n")
         assert f"Your previous code:\n```python\n{context['code'][a]}\n```" in prompt
-        assert prompt.endswith(f"Output only the code of `def {context['functions'][a]}(...)`, with a return statement.")
+        assert prompt.endswith(
+            f"Output only the code of `def {context['functions'][a]}(...)`, with a return statement."
+        )
 
 
 @pytest.mark.parametrize("mode", ["plain", "level_feedback", "level_passed", "passed", "expert_edits"])
@@ -161,10 +165,14 @@ def test_every_mode_addresses_all_three_agents(env3, mode):
 def test_level_feedback_reports_each_helper(env3):
     _, out, _ = next_prompts(env3, "level_feedback", [T_AUX, T_AUX2, T_IGNORES])
     for prompt in out:
-        assert "- `aux`: defined with a return.\n- `aux2`: defined with a return.\n- `truncate_number`: defined" in prompt
+        assert (
+            "- `aux`: defined with a return.\n- `aux2`: defined with a return.\n- `truncate_number`: defined" in prompt
+        )
         assert ("- aux usage: `truncate_number` does not call `aux`.\n"
                 "- aux2 usage: `truncate_number` calls `aux2` but ignores its result.") in prompt
-    _, out, _ = next_prompts(env3, "level_feedback", [T_AUX, T_AUX2, "def truncate_number(x):\n    return aux2(x, 0)\n"])
+    _, out, _ = next_prompts(
+        env3, "level_feedback", [T_AUX, T_AUX2, "def truncate_number(x):\n    return aux2(x, 0)\n"]
+    )
     assert "- warning: `truncate_number` only returns `aux(...)` or `aux2(...)`; do part" in out[2]
 
 
@@ -189,7 +197,10 @@ def test_plain_shows_every_partner(env3):
 def test_reference_expert_proposes_each_agent_its_own_function(env3):
     _, out, _ = next_prompts(env3, "expert_edits", [T_AUX, T_AUX2, T_IGNORES])
     for a, name in enumerate(["aux", "aux2", "truncate_number"]):
-        assert f"proposes this `{name}`:\n```python\ndef {name}(number: float) -> float:\n    return number % 1.0\n```" in out[a]
+        assert (
+            f"proposes this `{name}`:\n```python\ndef {name}(number: float) -> float:\n    return number % 1.0\n```"
+            in out[a]
+        )
 
 
 class ScriptedClient:
@@ -215,8 +226,10 @@ def test_llm_expert_asks_for_every_agent_and_each_gets_its_edit(env3):
     context = env3.score([problem], [texts])[0].context
     (out,) = mode.batch([Branch(problem["prompt"], texts, [[p] for p in first], [[t] for t in texts], dict(context))])
     (request,) = client.prompts
-    assert request.startswith("You review Python code that 3 agents wrote together for one problem. Agent 0 writes "
-                              "a helper `aux`, agent 1 a helper `aux2`; agent 2 writes `truncate_number`, which may call them.")
+    assert request.startswith(
+        "You review Python code that 3 agents wrote together for one problem. Agent 0 writes "
+        "a helper `aux`, agent 1 a helper `aux2`; agent 2 writes `truncate_number`, which may call them."
+    )
     assert 'keys "aux", "aux2", "main"' in request and "Agent 1 wrote `aux2` (key \"aux2\")" in request
     assert "proposes this `aux`:\n```python\ndef aux(x):\n    return int(x)\n```" in out[0]
     assert "proposes no changes to your `aux2`." in out[1]

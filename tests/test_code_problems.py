@@ -1,7 +1,7 @@
 """envs/code/problems.py on the shipped HumanEval: test extraction, signatures, split slicing, loading.
 
-Offline by construction: HF_HUB_OFFLINE=1 for every test (one test points the hub at a closed local
-port instead, to check the unreachable-hub fallback).
+Offline by construction: HF_HUB_OFFLINE=1 for every test (conftest.py: no_network; one test points the
+hub at a closed local port instead, to check the unreachable-hub fallback).
 """
 from __future__ import annotations
 
@@ -13,11 +13,6 @@ import time
 import pytest
 
 from magrpo.envs.code import problems as P
-
-
-@pytest.fixture(autouse=True)
-def offline(monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +35,7 @@ def run_case(preamble: str, program: str, case: str, entry_point: str, wrapped: 
         else:
             g["candidate"] = g[entry_point]
             exec(case, g)
-    except Exception:
+    except Exception:  # noqa: BLE001  (a failing case: any error the program raises)
         return False
     return True
 
@@ -80,7 +75,8 @@ def test_preamble_has_test_metadata_and_prompt_helpers(humaneval):
     assert "import math" in s32.preamble and "def poly(" in s32.preamble and "METADATA = {}" in s32.preamble
     assert "def find_zero" not in s32.preamble
     # the imports and the seeded rng inside check() travel with the loop
-    assert s32.cases[0].startswith("import math\nimport random\nrng = random.Random(42)\nimport copy\nfor _ in range(100):")
+    assert s32.cases[0].startswith(
+        "import math\nimport random\nrng = random.Random(42)\nimport copy\nfor _ in range(100):")
 
     assert "def encode_cyclic(" in suite(humaneval["HumanEval/38"]).preamble
     assert "def is_palindrome(" in suite(humaneval["HumanEval/10"]).preamble
@@ -94,7 +90,8 @@ def test_multiline_asserts_stay_whole(humaneval):
     assert [c.count("\n") + 1 for c in cases[:3]] == [5, 8, 9]
     assert cases[0].startswith("assert candidate([\n    [1,2,3,4,5,6],")
     first = suite(humaneval["HumanEval/1"]).cases[0]
-    assert first == "assert candidate('(()()) ((())) () ((())()())') == [\n    '(()())', '((()))', '()', '((())()())'\n]"
+    assert first == ("assert candidate('(()()) ((())) () ((())()())') == [\n"
+                     "    '(()())', '((()))', '()', '((())()())'\n]")
 
 
 def test_statements_before_asserts_prefix_every_later_case(humaneval):
@@ -150,7 +147,8 @@ def test_other_test_shapes():
     assert bare.cases == ["import math\nassert inc(1) == 2", "import math\nassert inc(2) == 3"]
 
     via_helper = P.extract_tests(
-        "def check(candidate):\n    def same(a, b):\n        assert candidate(a) == b\n    same(1, 2)\n    same(2, 3)\n",
+        "def check(candidate):\n    def same(a, b):\n        assert candidate(a) == b\n"
+        "    same(1, 2)\n    same(2, 3)\n",
         "inc",
     )
     assert len(via_helper.cases) == 1 and via_helper.cases[0].endswith("same(1, 2)\nsame(2, 3)")
@@ -188,7 +186,8 @@ def test_signature_shapes():
     )  # no body at all: a `pass` is supplied for parsing
     sig = P.parse_signature(prompt, "solve")
     assert sig.params == ["xs", "k", "*rest", "flag", "**kw"]
-    assert sig.source == "def solve(xs: typing.Dict[str, int],\n          k: int = 3, *rest, flag: bool = False, **kw) -> list:"
+    assert sig.source == ("def solve(xs: typing.Dict[str, int],\n"
+                          "          k: int = 3, *rest, flag: bool = False, **kw) -> list:")
     assert P.parse_signature("def f(a, /, b=lambda x: x, *, c):\n    '''doc'''\n", "f").params == ["a", "b", "c"]
     assert P.prompt_context(prompt, "solve") == "import typing\n\ndef helper(a):\n    return a\n"
     with pytest.raises(ValueError):
@@ -276,8 +275,9 @@ def test_unreachable_hub_falls_back_to_the_shipped_copy(monkeypatch):
 
 
 def test_jsonl_path(tmp_path):
-    rows = [{"task_id": f"t/{i}", "prompt": f"def f{i}(x):\n", "test": "def check(candidate):\n    assert candidate(1)\n",
-             "entry_point": f"f{i}", "extra": i} for i in range(5)]
+    test = "def check(candidate):\n    assert candidate(1)\n"
+    rows = [{"task_id": f"t/{i}", "prompt": f"def f{i}(x):\n", "test": test, "entry_point": f"f{i}", "extra": i}
+            for i in range(5)]
     path = tmp_path / "mine.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert P.load_problems(str(path), "test") == rows

@@ -9,10 +9,10 @@ from magrpo.advantage import agent_credit, mix_rewards, pooled_advantages
 from magrpo.config import ConfigError
 from magrpo.env import Scored
 from magrpo.rollout import RewardError, TreeSettings, assign_advantages, expand_trees
-from magrpo.tree import Completion, Node, align_joint_actions, cross_joint_actions
 from magrpo.trainer import prepare, train
+from magrpo.tree import Completion, Node, align_joint_actions, cross_joint_actions
+from tests.fakes import PROBLEMS, SAMPLING, TEXT, FakeBackend, FakeEnv, RecordingFeedback, serial
 from tests.test_train_smoke import read_jsonl
-from tests.test_tree_shape import PROBLEMS, SAMPLING, TEXT, FakeBackend, FakeEnv, RecordingFeedback, serial
 
 ALIGN = align_joint_actions(2, 2)
 
@@ -41,12 +41,16 @@ def test_agent_credit_uses_each_agents_own_returns():
     np.testing.assert_allclose(agent_credit(cross_joint_actions(2, 2), returns, 2, "mean"), [[1.5, 3.5], [10.0, 0.0]])
     # a (J,) team return [1, 2, 3, 4] credits both agents from the same numbers, as before:
     # agent 1 k0 = joints (0,0), (1,0) = (1+3)/2 = 2, k1 = (2+4)/2 = 3
-    np.testing.assert_allclose(agent_credit(cross_joint_actions(2, 2), returns[:, 0], 2, "mean"), [[1.5, 3.5], [2.0, 3.0]])
+    np.testing.assert_allclose(
+        agent_credit(cross_joint_actions(2, 2), returns[:, 0], 2, "mean"), [[1.5, 3.5], [2.0, 3.0]]
+    )
 
 
 def test_pooled_advantages_one_group_per_agent_over_the_pool():
     # agent 0 over two nodes: [1, 3] + [5, 7], mean 4 -> [-3, -1], [1, 3]; agent 1: [2, 2] + [2, 2]: flat -> 0
-    advs, zeros = pooled_advantages([np.array([[1.0, 3.0], [2.0, 2.0]]), np.array([[5.0, 7.0], [2.0, 2.0]])], "mean", "none")
+    advs, zeros = pooled_advantages(
+        [np.array([[1.0, 3.0], [2.0, 2.0]]), np.array([[5.0, 7.0], [2.0, 2.0]])], "mean", "none"
+    )
     np.testing.assert_allclose(advs[0], [[-3.0, -1.0], [0.0, 0.0]])
     np.testing.assert_allclose(advs[1], [[1.0, 3.0], [0.0, 0.0]])
     assert [z.tolist() for z in zeros] == [[False, True], [False, True]]
@@ -163,7 +167,10 @@ class FlatTeamEnv(PerAgentEnv):
     """Team reward 1 everywhere; agent i's own: 10 x its own k."""
 
     def score(self, problems, joint_completions):
-        return [Scored(1.0, {"reward": 1.0}, agent_rewards=s.agent_rewards) for s in super().score(problems, joint_completions)]
+        return [
+            Scored(1.0, {"reward": 1.0}, agent_rewards=s.agent_rewards)
+            for s in super().score(problems, joint_completions)
+        ]
 
 
 def test_dynamic_sampling_checks_each_agents_own_values():
@@ -191,7 +198,9 @@ def test_agent_turn_groups_and_per_agent_rewards_end_to_end(make_cfg, monkeypatc
     team_score = LengthRatioEnv.score
 
     def score(self, problems, joint):  # agent 0 is paid the team reward, agent 1 its complement
-        return [Scored(s.reward, s.outcomes, s.context, [s.reward, 1 - s.reward]) for s in team_score(self, problems, joint)]
+        return [
+            Scored(s.reward, s.outcomes, s.context, [s.reward, 1 - s.reward]) for s in team_score(self, problems, joint)
+        ]
 
     monkeypatch.setattr(LengthRatioEnv, "score", score)
     run = train(make_cfg("trainer.group_by=agent_turn", "reward.team_weight=0.5", "eval.at_end=false"))

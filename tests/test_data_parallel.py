@@ -17,7 +17,7 @@ from magrpo.metrics import Counter, Gauge, Maximum, reduce_over_ranks
 from magrpo.rollout import TreeSettings, assign_advantages, expand_trees, merge_rollouts, portable
 from magrpo.run_io import tree_records
 from tests.conftest import ROOT, SMALL
-from tests.test_tree_shape import PROBLEMS, SAMPLING, FakeBackend, FakeEnv, serial
+from tests.fakes import PROBLEMS, SAMPLING, FakeBackend, FakeEnv, serial
 
 
 @pytest.mark.parametrize("count,size", [(4, 2), (3, 2), (5, 3), (2, 2), (7, 1)])
@@ -56,7 +56,8 @@ def test_merged_shards_give_the_single_process_trees(mode):
     assert shape(tree_records(1, merged.problems, merged.nodes)) == shape(tree_records(1, whole.problems, whole.nodes))
     assert [n.turn for n in merged.nodes] == sorted(n.turn for n in merged.nodes)  # turn-major, as one process builds
     assert merged.terminated_per_turn == whole.terminated_per_turn
-    assert all(c.token_ids == [] for n in merged.nodes for agent in n.completions for c in agent)  # texts travel, ids not
+    # texts travel, ids not
+    assert all(c.token_ids == [] for n in merged.nodes for agent in n.completions for c in agent)
 
 
 def test_rank_metrics_merge_by_their_kind():
@@ -113,6 +114,7 @@ def two(tmp_path_factory):
     return run_dir
 
 
+@pytest.mark.slow
 def test_two_processes_sample_the_same_trees_and_log_the_same_metrics(single, two):
     assert (two / "rollouts.jsonl").read_bytes() == (single / "rollouts.jsonl").read_bytes()
     one, dp = metrics(single), metrics(two)
@@ -125,6 +127,7 @@ def test_two_processes_sample_the_same_trees_and_log_the_same_metrics(single, tw
     assert any(key.startswith("eval/") for key in dp[0])  # evaluation ran sharded too
 
 
+@pytest.mark.slow
 def test_two_processes_end_with_the_single_process_adapters(single, two):
     first = lora(single, 1)
     for step in (1, 2, 3):
@@ -136,6 +139,7 @@ def test_two_processes_end_with_the_single_process_adapters(single, two):
                 torch.testing.assert_close(q, p, atol=1e-6, rtol=0)
 
 
+@pytest.mark.slow
 def test_a_two_process_run_resumes_from_its_checkpoint(tmp_path, single):
     run_dir = tmp_path / "resumed"
     run(run_dir, 2, "trainer.steps=2")
@@ -191,6 +195,7 @@ def test_torchrun_settings_that_cannot_work_are_one_line_errors(monkeypatch, ove
     assert e.value.key == key and says in str(e.value) and "\n" not in str(e.value)
 
 
+@pytest.mark.slow
 def test_sigterm_to_torchrun_checkpoints_every_process_and_resumes(tmp_path):
     """torchrun forwards SIGTERM to every process: they finish the step together, rank 0 writes one
     checkpoint, and `resume=auto` under torchrun continues to the uninterrupted run's rollouts."""
@@ -215,6 +220,7 @@ def test_sigterm_to_torchrun_checkpoints_every_process_and_resumes(tmp_path):
     assert (run_dir / "rollouts.jsonl").read_bytes() == (reference / "rollouts.jsonl").read_bytes()
 
 
+@pytest.mark.slow
 def test_an_out_of_memory_on_one_process_is_retried_without_breaking_the_all_reduce(tmp_path, single):
     """Rank 1 alone halves its micro-batch and redoes its forward/backward; the gradients summed
     afterwards are the same, so the run still ends with the single-process adapters."""
@@ -229,6 +235,7 @@ def test_an_out_of_memory_on_one_process_is_retried_without_breaking_the_all_red
         torch.testing.assert_close(q, p, atol=1e-6, rtol=0)
 
 
+@pytest.mark.slow
 def test_code_env_and_expert_counters_add_up_over_processes(tmp_path):
     """The code env with expert_edits (reference expert): its counters (expert calls, sandbox runs)
     logged by a 2-process run equal the single-process run's, evaluation included."""

@@ -50,7 +50,8 @@ def first_difference(got: list[str], want: list[str]) -> str:
     for i, (g, w) in enumerate(zip(got, want)):
         if g != w:
             at = next(c for c in range(min(len(g), len(w)) + 1) if g[c : c + 1] != w[c : c + 1])
-            return f"line {i + 1} (step {json.loads(w)['step']}), char {at}: got ...{g[max(0, at - 80):at + 80]!r}, want ...{w[max(0, at - 80):at + 80]!r}"
+            near = slice(max(0, at - 80), at + 80)
+            return f"line {i + 1} (step {json.loads(w)['step']}), char {at}: got ...{g[near]!r}, want ...{w[near]!r}"
     return f"{len(got)} lines, want {len(want)}"
 
 

@@ -52,7 +52,9 @@ def test_config_table_shows_what_train_py_composes_not_only_the_schema():
 def test_feedback_examples_are_what_the_modes_print():
     doc = (ROOT / "docs" / "feedback.md").read_text()
     for mode, prompt in load_script("feedback_examples").examples().items():
-        assert f"`{mode}`:\n\n~~~text\n{prompt}\n~~~" in doc, f"docs/feedback.md's {mode} example is stale: run scripts/feedback_examples.py"
+        assert f"`{mode}`:\n\n~~~text\n{prompt}\n~~~" in doc, (
+            f"docs/feedback.md's {mode} example is stale: run scripts/feedback_examples.py"
+        )
 
 
 def test_custom_feedback_function_runs_and_fits_in_15_lines(tmp_path, monkeypatch):
@@ -62,8 +64,8 @@ def test_custom_feedback_function_runs_and_fits_in_15_lines(tmp_path, monkeypatc
     (tmp_path / "my_feedback.py").write_text(code)
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    from magrpo.envs.code.env import CodeEnv
     from magrpo.config import ExternalConfig
+    from magrpo.envs.code.env import CodeEnv
     from magrpo.feedback import Branch, Feedback
 
     env = CodeEnv(CodeEnv.Config(train_split="test[2:3]", eval_split="test[3:4]"))

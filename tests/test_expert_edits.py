@@ -22,7 +22,8 @@ AUX = "def aux(x):\n    return x - int(x)\n"
 MAIN = "def truncate_number(number: float) -> float:\n    aux(number)\n    return number + 1\n"
 # braces inside the code strings, prose and a fence around the object
 EDITS = ('Here you go:\n```json\n{"aux": "def aux(x):\\n    return {0: x % 1.0}[0]", '
-         '"main": "def truncate_number(number: float) -> float:\\n    parts = {\\"frac\\": aux(number)}\\n    return parts[\\"frac\\"]"}\n```')
+         '"main": "def truncate_number(number: float) -> float:\\n    parts = {\\"frac\\": aux(number)}\\n'
+         '    return parts[\\"frac\\"]"}\n```')
 CODE_RUN = ["env=code", "model=tiny", "env.train_split='test[:2]'", "env.eval_split='test[2:3]'",
             "generation.max_new_tokens=16", "trainer.steps=1", "eval.num_samples=1"]
 
@@ -106,6 +107,7 @@ def test_rejected_key_stops_at_start_up_with_one_line(server, tmp_path):
     assert not (tmp_path / "run").exists()  # nothing trained, no run directory
 
 
+@pytest.mark.slow
 def test_training_with_the_openai_expert_logs_expert_metrics(server, tmp_path):
     server.answer = lambda prompt: EDITS
     proc = run_cli(tmp_path, "external=expert_edits", f"external.expert.base_url={server.url}",
@@ -118,15 +120,29 @@ def test_training_with_the_openai_expert_logs_expert_metrics(server, tmp_path):
     assert config["external"]["expert"]["backend"] == "openai" and config["external"]["expert"]["model"] == "fake-model"
 
 
+COOLDOWN_S = 3600  # longer than any run of the test below
+
+
 @pytest.mark.slow
 def test_training_against_a_hung_expert_finishes_with_bounded_feedback_time(server, tmp_path):
     """A server that accepts requests and never answers (defaults: 60 s x 4 attempts per request, per
-    turn): the first turn ends at the 2 s turn deadline and opens the breaker, later turns send nothing."""
+    turn): the first turn ends at the 2 s turn deadline and opens the breaker, later turns send nothing.
+    The cool-down outlasts the run: a background probe (sent once a cool-down ends, and still hanging
+    when the run stops) would be a fifth request whenever a slow machine made the run last longer
+    than the default 30 s."""
     server.fault = HANG
     start = time.monotonic()
-    proc = run_cli(tmp_path, "external=expert_edits", f"external.expert.base_url={server.url}",
-                   "external.expert.cache=off", "external.expert.turn_deadline_s=2", "external.expert.breaker_failures=2",
-                   "trainer.steps=3", "eval.at_end=false")
+    proc = run_cli(
+        tmp_path,
+        "external=expert_edits",
+        f"external.expert.base_url={server.url}",
+        "external.expert.cache=off",
+        "external.expert.turn_deadline_s=2",
+        "external.expert.breaker_failures=2",
+        f"external.expert.breaker_cooldown_s={COOLDOWN_S}",
+        "trainer.steps=3",
+        "eval.at_end=false",
+    )
     assert proc.returncode == 0, proc.stderr
     assert time.monotonic() - start < 120  # the model load and 3 tiny steps; no 4-minute expert turns
     metrics = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
@@ -137,8 +153,7 @@ def test_training_against_a_hung_expert_finishes_with_bounded_feedback_time(serv
     assert len(server.chat_requests()) == sum(m["expert/calls"] for m in metrics) == 4
 
 
-def test_default_expert_is_the_offline_reference_and_the_run_says_so(make_cfg, monkeypatch, capsys):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+def test_default_expert_is_the_offline_reference_and_the_run_says_so(make_cfg, capsys):
     run = train(make_cfg(*CODE_RUN, "external=expert_edits", "trainer.num_turns=2"))
     assert "offline reference expert" in capsys.readouterr().err
     metrics = [json.loads(line) for line in open(run / "metrics.jsonl")]

@@ -12,14 +12,16 @@ import pytest
 
 pytest.importorskip("openai")
 
-from magrpo.external.expert import ExpertCache, ExpertError, OpenAIExpert, open_cache, parse_edits  # noqa: E402
-from magrpo.external.expert.breaker import CLOSED, OPEN, PROBE, Breaker  # noqa: E402
-from magrpo.config import ExpertConfig  # noqa: E402
-from tests.openai_server import CHAT, ERROR_500, GARBAGE, HANG, MODELS, Reply  # noqa: E402  (the `server` fixture: conftest.py)
+from magrpo.config import ExpertConfig
+from magrpo.external.expert import ExpertCache, ExpertError, OpenAIExpert, open_cache, parse_edits
+from magrpo.external.expert.breaker import CLOSED, OPEN, PROBE, Breaker
+from tests.fakes import FakeClock
+from tests.openai_server import CHAT, ERROR_500, GARBAGE, HANG, MODELS, Reply
 
 ROOT = Path(__file__).resolve().parent.parent
 def _expert(url: str, max_concurrency: int = 8, cache: ExpertCache | None = None, **cfg) -> OpenAIExpert:
-    settings = dict(base_url=url, model="fake-model", timeout_s=5.0, max_retries=2, backoff_s=0.01, api_key_env="MAGRPO_TEST_KEY")
+    settings = dict(base_url=url, model="fake-model", timeout_s=5.0, max_retries=2, backoff_s=0.01,
+                    api_key_env="MAGRPO_TEST_KEY")
     return OpenAIExpert(ExpertConfig(**{**settings, **cfg}), max_concurrency=max_concurrency, cache=cache)
 
 
@@ -62,7 +64,8 @@ def test_identical_prompts_share_one_request(server):
 # --- retries -----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("failure", [Reply(delay=0.6), Reply(status=500), Reply(status=503)], ids=["timeout", "500", "503"])
+@pytest.mark.parametrize("failure", [Reply(delay=0.6), Reply(status=500), Reply(status=503)],
+                         ids=["timeout", "500", "503"])
 def test_retryable_failure_is_retried_then_none(server, failure):
     server.script(CHAT, *[failure] * 3)
     expert = _expert(server.url, timeout_s=0.2, max_retries=2)
@@ -95,7 +98,8 @@ def test_client_error_is_not_retried(server, status):
 NO_TEXT = {"choices": [{"index": 0, "message": {"role": "assistant", "content": None}, "finish_reason": "stop"}]}
 
 
-@pytest.mark.parametrize("body", [NO_TEXT, {"choices": []}, {"unexpected": 1}, "an HTML page"], ids=["null", "no-choices", "no-keys", "str"])
+@pytest.mark.parametrize("body", [NO_TEXT, {"choices": []}, {"unexpected": 1}, "an HTML page"],
+                         ids=["null", "no-choices", "no-keys", "str"])
 def test_malformed_success_counts_as_failure(server, body):
     server.script(CHAT, Reply(body=body))
     expert = _expert(server.url)
@@ -119,14 +123,6 @@ def test_reset_stats(server):
 
 
 # --- faults: Retry-After, turn deadline, circuit breaker ---------------------------------------
-
-
-class FakeClock:
-    def __init__(self):
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_breaker_opens_after_consecutive_failures_and_probes_once_per_cooldown():
@@ -263,7 +259,8 @@ def test_dead_server_costs_nothing_per_turn_once_the_breaker_is_open(server):
     assert len(server.chat_requests()) == sent and expert.stats()["breaker_open"] == 40
 
 
-@pytest.mark.parametrize("override,allowed", [("turn_deadline_s=0", "must be > 0"), ("breaker_failures=-1", "must be >= 0"),
+@pytest.mark.parametrize("override,allowed", [("turn_deadline_s=0", "must be > 0"),
+                                              ("breaker_failures=-1", "must be >= 0"),
                                               ("breaker_cooldown_s=-1", "must be >= 0.0")])
 def test_deadline_and_breaker_settings_are_checked(override, allowed):
     from magrpo.errors import ConfigError
@@ -320,7 +317,8 @@ def test_check_unreachable_base_url():
 
 
 def test_check_picks_first_served_model(server):
-    server.script(MODELS, Reply(body={"object": "list", "data": [{"id": "served-a", "object": "model", "created": 0, "owned_by": "x"}]}))
+    served = {"id": "served-a", "object": "model", "created": 0, "owned_by": "x"}
+    server.script(MODELS, Reply(body={"object": "list", "data": [served]}))
     expert = _expert(server.url, model="")
     expert.check()
     assert expert.model == "served-a"
@@ -339,7 +337,8 @@ def test_missing_openai_package_is_one_line_error(server, monkeypatch):
     monkeypatch.setitem(sys.modules, "openai", None)  # makes `import openai` raise ImportError
     with pytest.raises(ExpertError) as info:
         _expert(server.url)
-    assert str(info.value) == "external.expert.backend: openai backend needs the openai package: pip install 'magrpo[expert]'"
+    assert str(info.value) == ("external.expert.backend: openai backend needs the openai package: "
+                               "pip install 'magrpo[expert]'")
 
 
 def test_importing_the_package_does_not_import_openai():
@@ -410,7 +409,8 @@ MAIN = "def main(x):\n    table = {'a': 1, \"b\": {2: 3}}\n    return aux(table)
 
 
 def test_parse_fenced_json_with_prose():
-    text = "Here are my edits:\n```json\n" + json.dumps({"aux": AUX, "main": MAIN}, indent=2) + "\n```\nHope this helps!"
+    edits = json.dumps({"aux": AUX, "main": MAIN}, indent=2)
+    text = "Here are my edits:\n```json\n" + edits + "\n```\nHope this helps!"
     assert parse_edits(text, KEYS) == {"aux": AUX, "main": MAIN}
 
 

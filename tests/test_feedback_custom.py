@@ -1,25 +1,31 @@
-"""A user's feedback function named as `module:function` on the command line."""
+"""A user's feedback function named as `module:function` on the command line (magrpo.cli.main in-process)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
-from tests.conftest import ROOT, SMALL
+import pytest
 
-
-def run_train(tmp_path, *overrides):
-    env = dict(os.environ, MAGRPO_PROBE_LOG=str(tmp_path / "calls.jsonl"), HF_HUB_OFFLINE="1")
-    cmd = [sys.executable, "train.py", *SMALL, f"logging.run_dir={tmp_path / 'run'}", *overrides]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+from magrpo.cli import main
+from tests.conftest import SMALL
 
 
-def test_custom_feedback_called_once_per_expanding_branch_with_documented_arguments(tmp_path):
+@pytest.fixture
+def run_train(tmp_path, monkeypatch, capsys):
+    """run_train(*overrides) -> (exit code, stderr) of `train.py SMALL overrides`; the probe logs its calls."""
+    monkeypatch.setenv("MAGRPO_PROBE_LOG", str(tmp_path / "calls.jsonl"))
+
+    def run(*overrides: str) -> tuple[int, str]:
+        code = main([*SMALL, f"logging.run_dir={tmp_path / 'run'}", *overrides])
+        return code, capsys.readouterr().err
+
+    return run
+
+
+def test_custom_feedback_called_once_per_expanding_branch_with_documented_arguments(run_train, tmp_path):
     # 1 step, B=2 trees, K=2, align, T=3: expanding branches = B*K at turn 0 + B*K*K at turn 1 = 4 + 8.
-    proc = run_train(tmp_path, "external.mode=tests.feedback_probe:record", "trainer.steps=1", "trainer.num_turns=3",
-                     "eval.at_end=false")  # evaluation paths call feedback too; count training alone
-    assert proc.returncode == 0, proc.stderr
+    code, err = run_train("external.mode=tests.feedback_probe:record", "trainer.steps=1", "trainer.num_turns=3",
+                          "eval.at_end=false")  # evaluation paths call feedback too; count training alone
+    assert code == 0, err
     calls = [json.loads(line) for line in open(tmp_path / "calls.jsonl")]
     assert len(calls) == 2 * 2 + 2 * 2 * 2
     trees = [json.loads(line) for line in open(tmp_path / "run" / "rollouts.jsonl")]
@@ -40,19 +46,19 @@ def test_custom_feedback_called_once_per_expanding_branch_with_documented_argume
     assert sorted(len(c["prompt_history_per_agent"][0]) for c in calls) == [1] * 4 + [2] * 8
 
 
-def test_feedback_returning_wrong_count_names_the_function(tmp_path):
-    proc = run_train(tmp_path, "external.mode=tests.feedback_probe:wrong_count", "trainer.steps=1")
-    assert proc.returncode != 0
-    assert "tests.feedback_probe:wrong_count" in proc.stderr and "2 prompt strings" in proc.stderr
+def test_feedback_returning_wrong_count_names_the_function(run_train):
+    code, err = run_train("external.mode=tests.feedback_probe:wrong_count", "trainer.steps=1")
+    assert code != 0
+    assert "tests.feedback_probe:wrong_count" in err and "2 prompt strings" in err
 
 
-def test_custom_feedback_receives_the_code_env_context_and_branch_histories(tmp_path):
+def test_custom_feedback_receives_the_code_env_context_and_branch_histories(run_train, tmp_path):
     from magrpo.envs.code.env import CodeEnv
 
-    proc = run_train(tmp_path, "env=code", "model=tiny", "env.train_split='test[:2]'", "env.eval_split='test[2:3]'",
-                     "external.mode=tests.feedback_probe:record_context", "external.history=true",
-                     "generation.max_new_tokens=12", "trainer.steps=1", "eval.at_end=false")
-    assert proc.returncode == 0, proc.stderr
+    code, err = run_train("env=code", "model=tiny", "env.train_split='test[:2]'", "env.eval_split='test[2:3]'",
+                          "external.mode=tests.feedback_probe:record_context", "external.history=true",
+                          "generation.max_new_tokens=12", "trainer.steps=1", "eval.at_end=false")
+    assert code == 0, err
     calls = [json.loads(line) for line in open(tmp_path / "calls.jsonl")]
     assert len(calls) == 2 * 2  # B=2 trees, K=2 align, T=2: turn 0 expands
     for call in calls:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from magrpo.envs.code.env import CodeEnv
 from magrpo.config import ConfigError, ExternalConfig
+from magrpo.envs.code.env import CodeEnv
 from magrpo.feedback import Branch, Feedback
 
 AUX = "def aux(x):\n    return x - int(x)\n"
@@ -97,7 +97,8 @@ def test_level_passed_lists_every_level(env, main, expected):
     assert feedback_part(first[0], out[0], "aux").endswith("\n\n" + checks)
 
 
-@pytest.mark.parametrize("main,line", [(USES, "Result: all checks passed."), (WRAPPER, "Result: not all checks passed."),
+@pytest.mark.parametrize("main,line", [(USES, "Result: all checks passed."),
+                                       (WRAPPER, "Result: not all checks passed."),
                                        (BROKEN, "Result: not all checks passed.")])
 def test_passed_is_one_line(env, main, line):
     first, out, _ = prompts_for(env, "passed", AUX, main)
@@ -106,7 +107,8 @@ def test_passed_is_one_line(env, main, line):
 
 def test_plain_shows_previous_code_and_optionally_the_partner(env):
     first, out, _ = prompts_for(env, "plain", AUX, IGNORES)
-    assert feedback_part(first[0], out[0], "aux") == "Your previous code:\n```python\ndef aux(x):\n    return x - int(x)\n```"
+    previous = "Your previous code:\n```python\ndef aux(x):\n    return x - int(x)\n```"
+    assert feedback_part(first[0], out[0], "aux") == previous
     _, out, _ = prompts_for(env, "plain", AUX, IGNORES, show_partner=True)
     assert "The other agent's previous code (`truncate_number`):\n```python\ndef truncate_number" in out[0]
     assert "The other agent's previous code (`aux`):\n```python\ndef aux(x):" in out[1]
@@ -127,7 +129,8 @@ def test_history_lists_earlier_attempts_of_the_branch(env):
     branch = Branch(problem["prompt"], [AUX, USES], [[first[0], "p0"], [first[1], "p1"]],
                     [["def aux(x):\n    return 1\n", AUX], [old_main, USES]], dict(scored.context))
     (out,) = feedback([branch])
-    assert "Your earlier attempts, oldest first:\nAttempt 1:\n```python\ndef truncate_number(number):\n    return 0\n```" in out[1]
+    attempt = "Attempt 1:\n```python\ndef truncate_number(number):\n    return 0\n```"
+    assert "Your earlier attempts, oldest first:\n" + attempt in out[1]
     assert out[1].index("earlier attempts") < out[1].index("Your previous code")
 
 
@@ -165,7 +168,8 @@ def test_reference_expert_without_canonical_solution_falls_back_to_level_feedbac
     first = env.agent_prompts(problem)
     scored = env.score([problem], [[AUX, IGNORES]])[0]
     fb = Feedback(ExternalConfig(mode="expert_edits"), env)
-    (out,) = fb([Branch(problem["prompt"], [AUX, IGNORES], [[p] for p in first], [[AUX], [IGNORES]], dict(scored.context))])
+    branch = Branch(problem["prompt"], [AUX, IGNORES], [[p] for p in first], [[AUX], [IGNORES]], dict(scored.context))
+    (out,) = fb([branch])
     assert "Feedback on the combined program:\n" in out[1] and "expert" not in out[1]
     metrics = fb.metrics()
     assert metrics["expert/fallbacks"] == 1 and metrics["expert/failures"] == 1

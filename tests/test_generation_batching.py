@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from magrpo.config import ExternalConfig
 from magrpo.envs.length_ratio import LengthRatioEnv
 from magrpo.external.plain import plain
-from magrpo.config import ExternalConfig
 from magrpo.feedback import Feedback
 from magrpo.generation import GenerationRequest, SamplingParams
 from magrpo.hf_backend import HFBackend
@@ -22,7 +22,7 @@ SAMPLING = SamplingParams(max_new_tokens=6)
 
 @pytest.fixture(scope="module")
 def agents(tmp_path_factory):
-    from tests.conftest import compose, SMALL
+    from tests.conftest import SMALL, compose
 
     cfg = compose([*SMALL, "lora.r=4"])
     agents = load_agents(cfg, 2)
@@ -40,7 +40,8 @@ def test_generate_calls_per_step_do_not_grow_with_batch_or_k(agents, batch, k, m
     env = LengthRatioEnv(LengthRatioEnv.Config(num_agents=2))
     backend = HFBackend(agents)
     problems = env.problems("train")[:batch]
-    rollout = expand_trees(problems, env, backend, Feedback(ExternalConfig(), env, plain), TreeSettings(k, 2, mode), SAMPLING)
+    feedback = Feedback(ExternalConfig(), env, plain)
+    rollout = expand_trees(problems, env, backend, feedback, TreeSettings(k, 2, mode), SAMPLING)
     assert backend.generate_calls == 2  # one per turn, whatever B, K, N and the number of nodes
     joint = k if mode == "align" else k * k
     assert len(rollout.nodes) == batch * (1 + joint)
@@ -53,7 +54,8 @@ def test_agents_with_their_own_base_model_get_one_call_each_per_turn(make_cfg, t
     assert agents[0].model is not agents[1].model
     env = LengthRatioEnv(LengthRatioEnv.Config(num_agents=2))
     backend = HFBackend(agents)
-    expand_trees(env.problems("train")[:2], env, backend, Feedback(ExternalConfig(), env, plain), TreeSettings(2, 2, "align"), SAMPLING)
+    feedback = Feedback(ExternalConfig(), env, plain)
+    expand_trees(env.problems("train")[:2], env, backend, feedback, TreeSettings(2, 2, "align"), SAMPLING)
     assert backend.generate_calls == 2 * 2  # two base models, two turns
 
 
@@ -93,7 +95,8 @@ def test_sampling_logprobs_match_the_trainers_recomputed_logprobs(agents, temper
         with torch.no_grad():
             logp, _ = forward_logprobs(model, batch, temperature)
         for row, c in enumerate(completions):
-            torch.testing.assert_close(logp[row][batch.target_mask[row]], torch.tensor(c.logprobs), atol=2e-4, rtol=1e-4)
+            torch.testing.assert_close(logp[row][batch.target_mask[row]], torch.tensor(c.logprobs),
+                                       atol=2e-4, rtol=1e-4)
 
 
 def test_a_seeded_request_samples_the_same_alone_in_a_batch_or_in_chunks(agents):

@@ -10,11 +10,11 @@ import pytest
 
 import magrpo.update
 from magrpo.config import ExternalConfig
-from magrpo.feedback import Feedback
 from magrpo.errors import RewardError, TrainingError
+from magrpo.feedback import Feedback
 from magrpo.rollout import TreeSettings, expand_trees
 from magrpo.trainer import train
-from tests.test_tree_shape import PROBLEMS, SAMPLING, TEXT, FakeBackend, FakeEnv
+from tests.fakes import PROBLEMS, SAMPLING, TEXT, FakeBackend, FakeEnv
 
 
 def nan_loss_on(calls_to_poison):
@@ -65,8 +65,9 @@ def expand(on_error):
 
 
 def test_raising_env_is_named_with_the_joint_action():
-    with pytest.raises(RewardError, match=r"env FakeEnv \(tests\.test_tree_shape\.FakeEnv\.score\) failed on joint action 1 of turn 0 \(problem 'P0'.*"
-                                          r"ZeroDivisionError: the grader divided by zero; set reward.on_error=zero"):
+    with pytest.raises(RewardError, match=r"env FakeEnv \(tests\.fakes\.FakeEnv\.score\) failed on joint action 1 "
+                                          r"of turn 0 \(problem 'P0'.*ZeroDivisionError: the grader divided by zero; "
+                                          r"set reward.on_error=zero"):
         expand("raise")
 
 
@@ -105,7 +106,8 @@ def test_update_out_of_memory_twice_names_the_setting(make_cfg, monkeypatch):
     import magrpo.update as update
 
     monkeypatch.setattr(update, "forward_logprobs", lambda model, batch, *args, **kwargs: _oom_if(True))
-    with pytest.raises(TrainingError, match="out of memory again with trainer.micro_batch_size=16; lower trainer.micro_batch_size"):
+    with pytest.raises(TrainingError,
+                       match="out of memory again with trainer.micro_batch_size=16; lower trainer.micro_batch_size"):
         train(make_cfg("trainer.steps=1", "trainer.kl_coef=0.01", "eval.at_end=false"))
 
 

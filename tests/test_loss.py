@@ -9,10 +9,11 @@ import math
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import Qwen2ForCausalLM
 
 from magrpo.loss import k3_kl, policy_loss, sequence_weights, token_logprobs
 from magrpo.update import TrainSample
+from tests.fakes import tiny_qwen2
 
 PAD = 63
 
@@ -36,10 +37,7 @@ def _one_thread():
 
 @pytest.fixture(scope="module")
 def model() -> Qwen2ForCausalLM:
-    torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                      num_key_value_heads=1, intermediate_size=32)
-    m = Qwen2ForCausalLM(cfg).eval()
+    m = tiny_qwen2(vocab_size=64, num_hidden_layers=1).eval()
     # random init is near-uniform; sharpen the output so log-probs clearly depend on the inputs
     with torch.no_grad():
         m.lm_head.weight.mul_(20.0)
@@ -211,7 +209,7 @@ def test_padding_inputs_are_invisible_and_get_no_gradient(model):
     logp = _logp_from(model, x, attention, ids)
     loss, _ = policy_loss(logp, logp.detach(), adv, target, w, clip_eps=0.2)
     (grad,) = torch.autograd.grad(loss, x)
-    for i, start, end in _spans():
+    for i, _start, end in _spans():
         pads = WIDTH - len(SAMPLES[i].prompt_ids) - len(SAMPLES[i].completion_ids)
         # left padding is masked out as keys: nothing depends on it
         assert torch.all(grad[i, :pads] == 0), f"row {i}"

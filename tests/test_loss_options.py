@@ -12,10 +12,10 @@ from magrpo.advantage import all_groups_flat
 from magrpo.config import ConfigError
 from magrpo.loss import kept_completions, policy_loss, sequence_log_ratio, token_entropy
 from magrpo.rollout import TreeSettings, expand_trees
-from magrpo.tree import align_joint_actions, cross_joint_actions
 from magrpo.trainer import prepare, train
+from magrpo.tree import align_joint_actions, cross_joint_actions
+from tests.fakes import PROBLEMS, SAMPLING, TEXT, FakeBackend, FakeEnv, RecordingFeedback, serial
 from tests.test_train_smoke import lora_tensors, read_jsonl
-from tests.test_tree_shape import PROBLEMS, SAMPLING, TEXT, FakeBackend, FakeEnv, RecordingFeedback, serial
 
 # ---------------------------------------------------------------- GSPO: sequence-level ratio
 

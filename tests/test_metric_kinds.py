@@ -2,8 +2,8 @@
 process counted and averages what they share: checked on the built-in env and expert."""
 from __future__ import annotations
 
-from magrpo.envs.code.env import CodeEnv
 from magrpo.config import ExternalConfig
+from magrpo.envs.code.env import CodeEnv
 from magrpo.feedback import Branch, Feedback
 from magrpo.metrics import Counter, Gauge
 

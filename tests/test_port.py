@@ -10,8 +10,8 @@ import yaml
 
 from magrpo.cli import compose
 from magrpo.errors import ConfigError
-from magrpo.validation import validate
 from magrpo.port import Ported, main, port, render
+from magrpo.validation import validate
 from tests.conftest import ROOT
 
 EXAMPLE = ROOT / "tests" / "data" / "comlrl_magrpo_code.yaml"

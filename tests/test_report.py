@@ -72,7 +72,8 @@ def test_cli_writes_all_plots_and_summary(run):
     for name in PLOTS:
         assert_png(out / name)
     assert (out / "tree.png").read_bytes().startswith(PNG_SIGNATURE)
-    assert (out / "tree.html").read_text().count('class="node"') == 1 + 2  # the last step's first tree: root + K children
+    # the last step's first tree: root + K children
+    assert (out / "tree.html").read_text().count('class="node"') == 1 + 2
     md = (out / "report.md").read_text()
     assert "env: length_ratio" in md and "model: tiny" in md and "agents: 2" in md
     assert "steps done: 3 of 3" in md

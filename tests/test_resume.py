@@ -84,6 +84,7 @@ def reference(tmp_path_factory):
     return run
 
 
+@pytest.mark.slow
 def test_two_seeded_runs_are_identical(reference, tmp_path):
     finish(tmp_path / "again")
     rollouts, metrics = comparable(reference)
@@ -99,6 +100,7 @@ def wait_for(path, proc, timeout=300):
         time.sleep(0.05)
 
 
+@pytest.mark.slow
 def test_sigkill_then_resume_auto_matches_the_uninterrupted_run(reference, tmp_path):
     run = tmp_path / "killed"
     proc = start(run)
@@ -111,6 +113,7 @@ def test_sigkill_then_resume_auto_matches_the_uninterrupted_run(reference, tmp_p
     assert comparable(run) == comparable(reference)
 
 
+@pytest.mark.slow
 def test_sigterm_writes_a_checkpoint_and_resume_continues(reference, tmp_path):
     run = tmp_path / "stopped"
     proc = start(run, "checkpoint.every=0")  # only the signal writes one
@@ -125,6 +128,7 @@ def test_sigterm_writes_a_checkpoint_and_resume_continues(reference, tmp_path):
     assert comparable(run) == comparable(reference)
 
 
+@pytest.mark.slow
 def test_resume_auto_skips_a_truncated_checkpoint(reference, tmp_path):
     run = tmp_path / "copy"
     shutil.copytree(reference, run)
@@ -309,7 +313,8 @@ def test_repair_log_keeps_valid_lines_up_to_the_step(tmp_path, capsys):
                     b'{"step": 4, "y"')
     repair_log(log, 2)
     assert log.read_bytes() == b'{"step": 1}\n{"step": 2}\n{"step": 2}\n'
-    assert (tmp_path / "metrics.jsonl.corrupt").read_bytes() == b'{"step": 2, "x": [1,\n[3]\n\xff\xfe\n{"step": 4, "y"\n'
+    corrupt = b'{"step": 2, "x": [1,\n[3]\n\xff\xfe\n{"step": 4, "y"\n'
+    assert (tmp_path / "metrics.jsonl.corrupt").read_bytes() == corrupt
     assert "line(s) 2, 3, 6, 8 are not valid JSON records" in capsys.readouterr().err
 
 

@@ -15,7 +15,8 @@ from magrpo.envs.code.sandbox import Program, SandboxLimits, run_many, run_progr
 ROOT = os.geteuid() == 0
 FAST = SandboxLimits(timeout_s=2.0, cpu_s=2, memory_mb=512, max_processes=32, output_bytes=10_000)
 CASES = ["assert candidate(1) == 2", "assert candidate(2) == 3"]
-NAMESPACES = run_program(Program("def f():\n    return 1\n", "", ["assert candidate() == 1"], "f")).isolation == "namespaces"
+PROBE = Program("def f():\n    return 1\n", "", ["assert candidate() == 1"], "f")
+NAMESPACES = run_program(PROBE).isolation == "namespaces"
 
 
 def prog(code: str, cases: list[str] = CASES, preamble: str = "", entry_point: str = "f") -> Program:
@@ -139,8 +140,9 @@ def hostile_corpus(target: Path) -> dict[str, tuple[str, bool]]:
                           "        time.sleep(100)\n    return None\n", True),
         "setsid_escape_then_crash": ("import os, time\ndef f(x):\n    if os.fork() == 0:\n        os.setsid()\n"
                                      "        time.sleep(100)\n    os._exit(0)\n", True),
-        "daemon_ignoring_sigterm": ("import os, signal, time\ndef f(x):\n    if os.fork() == 0:\n        os.setsid()\n"
-                                    "        signal.signal(signal.SIGTERM, signal.SIG_IGN)\n        if os.fork() == 0:\n"
+        "daemon_ignoring_sigterm": ("import os, signal, time\ndef f(x):\n    if os.fork() == 0:\n"
+                                    "        os.setsid()\n        signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+                                    "        if os.fork() == 0:\n"
                                     "            time.sleep(100)\n        os._exit(0)\n    return None\n", True),
         "sys_exit_at_import": ("import sys\nsys.exit(0)\ndef f(x):\n" + ok, False),
         "os_exit_at_import": ("import os\nos._exit(0)\ndef f(x):\n" + ok, False),
@@ -153,7 +155,8 @@ def hostile_corpus(target: Path) -> dict[str, tuple[str, bool]]:
         "socket_to_localhost": ("import socket\ndef f(x):\n    s = socket.socket()\n    s.connect(('127.0.0.1', 22))\n"
                                 "    s.recv(1)\n    return None\n", False),
         "print_50mb": ("def f(x):\n    print('x' * 50_000_000)\n    return None\n", False),
-        "kill_parent": ("import os, signal\ndef f(x):\n    os.kill(os.getppid(), signal.SIGKILL)\n    return None\n", True),
+        "kill_parent": ("import os, signal\ndef f(x):\n    os.kill(os.getppid(), signal.SIGKILL)\n    return None\n",
+                        True),
         "kill_everything": ("import os, signal\ndef f(x):\n    os.kill(-1, signal.SIGKILL)\n    return None\n", True),
         "forge_report": ("import os\ndef f(x):\n    print(%r)\n    for fd in range(0, 64):\n        try:\n"
                          "            os.write(fd, b'case 0 1\\ncase 1 1\\ndone\\n' + %r.encode() + b'\\n')\n"
@@ -168,7 +171,8 @@ def hostile_corpus(target: Path) -> dict[str, tuple[str, bool]]:
                              + "def f(x):\n    return None\n", False),
         "forge_via_gc": ("import gc, os\nfor o in gc.get_objects():\n    if isinstance(o, dict) and 'report_fd' in o:\n"
                          "        tok, fd = o['token'].encode(), o['report_fd']\n"
-                         "        for i in range(len(o['cases'])):\n            os.write(fd, tok + b' case %d 1 \\n' % i)\n"
+                         "        for i in range(len(o['cases'])):\n"
+                         "            os.write(fd, tok + b' case %d 1 \\n' % i)\n"
                          "        os.write(fd, tok + b' done \\n')\ndef f(x):\n    return None\n", False),
         "forge_via_sys_current_frames": ("import os, sys\nframe = list(sys._current_frames().values())[0]\n"
                                          "while frame is not None:\n" + FORGE_FROM_FRAME
@@ -188,8 +192,8 @@ def hostile_corpus(target: Path) -> dict[str, tuple[str, bool]]:
                          "def f(x):\n    return Yes()\n", False),
         "truthy_comparison": ("class T:\n    def __eq__(self, other):\n        return [1]\n"
                               "def f(x):\n    return T()\n", False),
-        "int_subclass": ("class I(int):\n    def __eq__(self, other):\n        return True\n    __hash__ = int.__hash__\n"
-                         "def f(x):\n    return I(0)\n", False),
+        "int_subclass": ("class I(int):\n    def __eq__(self, other):\n        return True\n"
+                         "    __hash__ = int.__hash__\ndef f(x):\n    return I(0)\n", False),
         "raising_repr": ("class R:\n    def __eq__(self, other):\n        return True\n"
                          "    def __repr__(self):\n        raise RuntimeError('no repr')\n"
                          "def f(x):\n    return R()\n", False),
@@ -197,10 +201,12 @@ def hostile_corpus(target: Path) -> dict[str, tuple[str, bool]]:
         "function_return": ("def f(x):\n    return lambda *a: x + 1\n", False),
         "huge_return": ("def f(x):\n    return 'x' * (40 * 2 ** 20)\n", False),
         "garbage_on_reply_channel": ("import os, sys\ndef f(x):\n    fd = sys._getframe(1).f_locals.get('reply_fd')\n"
-                                     "    if fd is not None:\n        os.write(fd, b'\\xff\\xff\\xff\\xff' + b'x' * 64)\n"
+                                     "    if fd is not None:\n"
+                                     "        os.write(fd, b'\\xff\\xff\\xff\\xff' + b'x' * 64)\n"
                                      "    return None\n", False),
         "tmp_leftovers": ("import os\ndef f(x):\n    open('/tmp/magrpo-hostile-leftover', 'w').write('x')\n"
-                          "    os.makedirs('/dev/shm/magrpo-hostile-leftover', exist_ok=True)\n    return None\n", True),
+                          "    os.makedirs('/dev/shm/magrpo-hostile-leftover', exist_ok=True)\n"
+                          "    return None\n", True),
     }
 
 
@@ -235,6 +241,7 @@ def leftovers() -> list[str]:
     return found
 
 
+@pytest.mark.slow  # 47 programs, each run to its limits
 @pytest.mark.parametrize("namespaces", [True, False], ids=["namespaces", "no-namespaces"])
 def test_hostile_programs_are_contained(tmp_path, namespaces):
     if not namespaces and not (ROOT and NAMESPACES):

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from magrpo.loss import gather_logprobs
 from magrpo.update import TrainSample, forward_logprobs, micro_batches, pack
+from tests.fakes import tiny_qwen2
 
 PAD = 0
 P1, P2 = [5, 6, 7, 8], [9, 10]
@@ -22,10 +22,8 @@ SAMPLES = [
 
 @pytest.fixture(scope="module")
 def model():
-    torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=32, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
-                      num_key_value_heads=1, intermediate_size=32)
-    m = get_peft_model(Qwen2ForCausalLM(cfg), LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
+    lora = LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False)
+    m = get_peft_model(tiny_qwen2(vocab_size=32, num_hidden_layers=2), lora)
     m.train()
     return m
 

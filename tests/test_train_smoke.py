@@ -24,7 +24,8 @@ def lora_tensors(run_dir, agent):
         ([], 2, 1 + 2),  # align, K=2, T=2
         (["trainer.joint_mode=cross"], 2, 1 + 4),  # K^N = 4 children
         (["env.num_agents=1"], 1, 1 + 2),  # plain GRPO
-        (["trainer.num_turns=3", "trainer.joint_mode=cross", "env.num_agents=3"], 3, 1 + 8 + 64),
+        pytest.param(["trainer.num_turns=3", "trainer.joint_mode=cross", "env.num_agents=3"], 3, 1 + 8 + 64,
+                     marks=pytest.mark.slow),  # 73 nodes a tree; the shape itself: test_tree_shape.py
     ],
 )
 def test_run_writes_documented_outputs(make_cfg, overrides, num_agents, nodes_per_tree):
@@ -80,6 +81,18 @@ def test_early_termination_is_logged(make_cfg):
     metrics = read_jsonl(run / "metrics.jsonl")
     assert all(m["train/turn_0/terminated"] == 2 * 2 for m in metrics)  # B * K branches
     assert all(m["tree/nodes"] == 2 for m in metrics)
+
+
+def test_an_offline_wandb_run_sends_no_telemetry(make_cfg, monkeypatch):
+    """wandb's telemetry follows its process-wide settings, not wandb.init(mode=...): an offline run used to
+    start an exporter that sent to wandb's server from a background thread a minute later."""
+    otel = pytest.importorskip("wandb.analytics.opentelemetry.opentelemetry_proxy")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    train(make_cfg("logging.wandb.mode=offline", "trainer.steps=1"))
+    proxy = otel.get_open_telemetry_proxy()
+    if proxy is not None:
+        proxy.shutdown(timeout_millis=2_000)  # send now, where conftest's no_network sees it
+    assert proxy is None
 
 
 def test_wandb_offline_and_periodic_adapter_saves(make_cfg, monkeypatch):

@@ -6,99 +6,12 @@ stopped joint actions of every non-final node plus all J joint actions of every 
 """
 from __future__ import annotations
 
-import copy
-import re
-from typing import Callable
-
 import numpy as np
 import pytest
 
-from magrpo.env import Environment
-from magrpo.generation import SamplingParams
-from magrpo.config import ExternalConfig
-from magrpo.feedback import Feedback
 from magrpo.rollout import TreeSettings, assign_advantages, expand_trees
-from magrpo.tree import Completion, count_leaves, tree_size
-
-PROBLEMS = [{"prompt": "P0", "offset": 0.0}, {"prompt": "P1", "offset": 0.25}]
-B = len(PROBLEMS)
-SAMPLING = SamplingParams(max_new_tokens=4)
-TEXT = re.compile(r"^a(\d+)k(\d+)u(\d+)$")
-
-
-class FakeBackend:
-    """`request.n` completions per request, texts "a{agent}k{k}u{uid}" with a globally unique uid."""
-
-    def __init__(self):
-        self.generate_calls = 0
-        self.sync_calls = 0
-        self.origin: dict[int, tuple[str, int]] = {}  # uid -> (prompt, agent) of the request it answered
-        self.requests_per_call: list[int] = []
-        self._uid = 0
-
-    def generate(self, requests, params):
-        self.generate_calls += 1
-        self.requests_per_call.append(len(requests))
-        out = []
-        for r in requests:
-            comps = []
-            for k in range(r.n):
-                self._uid += 1
-                self.origin[self._uid] = (r.prompt, r.agent)
-                comps.append(Completion(token_ids=[k + 1, self._uid % 50], text=f"a{r.agent}k{k}u{self._uid}",
-                                        prompt_ids=[len(r.prompt) % 50], finished=True))
-            out.append(comps)
-        return out
-
-    def sync_weights(self):
-        self.sync_calls += 1
-
-
-def sum_of_indices(problem, texts):
-    """Reward: the sum of the chosen completion indices k, plus the problem's offset."""
-    return sum(int(TEXT.match(t).group(2)) for t in texts) + problem["offset"]
-
-
-class FakeEnv(Environment):
-    def __init__(self, n: int, reward: Callable = sum_of_indices):
-        super().__init__(cfg=None)
-        self._n = n
-        self._reward = reward
-        self.reward_calls = 0
-        self.reward_batch_sizes: list[int] = []
-
-    @property
-    def num_agents(self) -> int:
-        return self._n
-
-    def agent_prompts(self, problem):
-        return [f"{problem['prompt']}::agent{i}" for i in range(self._n)]
-
-    def rewards(self, problems, joint_completions):
-        self.reward_calls += 1
-        self.reward_batch_sizes.append(len(joint_completions))
-        assert len(problems) == len(joint_completions)
-        return [self._reward(p, texts) for p, texts in zip(problems, joint_completions)]
-
-
-class RecordingFeedback:
-    """Returns one distinct prompt per agent and keeps a deep copy of every call's arguments."""
-
-    def __init__(self):
-        self.calls: list[dict] = []
-
-    def __call__(self, prompt, agent_completions, num_agents, prompt_history_per_agent, response_history_per_agent):
-        out = [f"fb{len(self.calls)}-a{i}" for i in range(num_agents)]
-        self.calls.append(copy.deepcopy(dict(
-            prompt=prompt, agent_completions=agent_completions, num_agents=num_agents,
-            prompt_history_per_agent=prompt_history_per_agent,
-            response_history_per_agent=response_history_per_agent, returned=out)))
-        return out
-
-
-def serial(fn, env) -> Feedback:
-    """One branch at a time, so a recording function sees the calls in branch order."""
-    return Feedback(ExternalConfig(max_concurrency=1), env, fn)
+from magrpo.tree import count_leaves, tree_size
+from tests.fakes import PROBLEMS, SAMPLING, TEXT, B, FakeBackend, FakeEnv, RecordingFeedback, serial, sum_of_indices
 
 
 def run(mode, n, t, k, threshold=None, reward=sum_of_indices, problems=PROBLEMS, expand="all", seed=None):
@@ -159,13 +72,15 @@ def test_a_tree_above_the_cap_is_a_config_error_before_any_model_loads(make_cfg)
     big = ("trainer.joint_mode=cross", "trainer.num_turns=3", "trainer.num_generations=3", "env.num_agents=3",
            "trainer.batch_size=4")
     with pytest.raises(ConfigError, match=r"trainer.max_sequences_per_step: this tree samples 27,252 completions per "
-                                          r"step \(3,028 nodes: cross mode, N=3, K=3, T=3, batch 4\), above the cap of 20,000"):
+                                          r"step \(3,028 nodes: cross mode, N=3, K=3, T=3, batch 4\), "
+                                          r"above the cap of 20,000"):
         prepare(make_cfg(*big))
     prepare(make_cfg(*big, "trainer.max_sequences_per_step=0"))  # no cap
     prepare(make_cfg(*big, "trainer.max_sequences_per_step=30000"))
 
 
-@pytest.mark.parametrize("mode, n, t, k", [("align", 2, 3, 2), ("cross", 2, 2, 2), ("cross", 3, 2, 3), ("align", 1, 2, 3)])
+@pytest.mark.parametrize("mode, n, t, k",
+                         [("align", 2, 3, 2), ("cross", 2, 2, 2), ("cross", 3, 2, 3), ("align", 1, 2, 3)])
 def test_node_contents_and_links(mode, n, t, k):
     rollout, env, backend, _ = run(mode, n, t, k)
     nodes = rollout.nodes
@@ -407,5 +322,6 @@ def test_a_bad_expand_rule_is_a_config_error(make_cfg, rule):
     from magrpo.config import ConfigError
     from magrpo.trainer import prepare
 
-    with pytest.raises(ConfigError, match=r"trainer.expand: .* is not an expansion rule; choose one of: all, top:M, random:M"):
+    with pytest.raises(ConfigError,
+                       match=r"trainer.expand: .* is not an expansion rule; choose one of: all, top:M, random:M"):
         prepare(make_cfg(f"trainer.expand='{rule}'"))

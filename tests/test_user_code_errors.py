@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from magrpo.envs.length_ratio import LengthRatioEnv
 from magrpo.cli import main
+from magrpo.envs.length_ratio import LengthRatioEnv
 from magrpo.feedback import FeedbackMode
 from tests.conftest import ROOT, SMALL
 
@@ -68,7 +68,8 @@ def test_raising_env_method_during_a_step_is_named_with_its_turn(run_main, tmp_p
     assert code == 1 and "Traceback" not in err, err
     assert len(errors) == 1
     assert re.match(r"error: magrpo\.envs\.length_ratio\.LengthRatioEnv\.agent_prompts raised at turn 0 "
-                    r"\(problem 'Write about \w+\.'\): KeyError: 'topic' \(traceback in .*error\.log; ", errors[0]), errors
+                    r"\(problem 'Write about \w+\.'\): KeyError: 'topic' \(traceback in .*error\.log; ",
+                    errors[0]), errors
 
 
 def test_raising_env_score_keeps_its_one_line_and_logs_the_traceback(run_main, tmp_path, monkeypatch):
@@ -76,8 +77,9 @@ def test_raising_env_score_keeps_its_one_line_and_logs_the_traceback(run_main, t
     code, errors, err = run_main("trainer.steps=1")
     assert code == 1 and "Traceback" not in err, err
     assert len(errors) == 1
-    assert errors[0].startswith("error: env LengthRatioEnv (magrpo.envs.length_ratio.LengthRatioEnv.score) failed on joint "
-                                "action 0 of turn 0"), errors
+    assert errors[0].startswith(
+        "error: env LengthRatioEnv (magrpo.envs.length_ratio.LengthRatioEnv.score) failed on joint action 0 of turn 0"
+    ), errors
     assert "ZeroDivisionError: division by zero" in errors[0]
     assert "ZeroDivisionError" in (tmp_path / "run" / "error.log").read_text()
 
@@ -89,12 +91,22 @@ def _raise(error):
     return method
 
 
-@pytest.mark.parametrize("method,error,line", [
-    ("problems", OSError("the problem server is down"), "magrpo.envs.length_ratio.LengthRatioEnv.problems raised loading "
-                                                        "the train split: OSError: the problem server is down"),
-    ("__init__", FileNotFoundError("topics.txt"), "magrpo.envs.length_ratio.LengthRatioEnv.__init__ raised at start-up: "
-                                                  "FileNotFoundError: topics.txt"),
-])
+@pytest.mark.parametrize(
+    "method,error,line",
+    [
+        (
+            "problems",
+            OSError("the problem server is down"),
+            "magrpo.envs.length_ratio.LengthRatioEnv.problems raised loading "
+            "the train split: OSError: the problem server is down",
+        ),
+        (
+            "__init__",
+            FileNotFoundError("topics.txt"),
+            "magrpo.envs.length_ratio.LengthRatioEnv.__init__ raised at start-up: FileNotFoundError: topics.txt",
+        ),
+    ],
+)
 def test_raising_env_at_start_up_is_one_line_and_no_run_dir(run_main, tmp_path, monkeypatch, method, error, line):
     monkeypatch.setattr(LengthRatioEnv, method, _raise(error))
     code, errors, err = run_main()
@@ -124,7 +136,8 @@ def test_a_second_signal_is_one_line_exit_130(run_main, monkeypatch):
     except KeyboardInterrupt:
         pytest.fail("KeyboardInterrupt escaped main: a traceback for the user")
     assert code == 130 and "Traceback" not in err, err
-    assert err.strip().splitlines() == ["stopped: interrupted; resume=auto continues from the last complete checkpoint, if any"]
+    assert err.strip().splitlines() == [
+        "stopped: interrupted; resume=auto continues from the last complete checkpoint, if any"]
 
 
 def test_raising_feedback_from_the_command_line_exits_1(tmp_path):
@@ -147,7 +160,8 @@ def test_an_error_that_is_not_ours_is_one_line_too(run_main, monkeypatch):
     monkeypatch.setattr(magrpo.update, "policy_loss", broken)
     code, errors, err = run_main("trainer.steps=1", "trainer.kl_coef=0.01")  # KL: every row trains
     assert code == 1 and "Traceback" not in err, err
-    assert len(errors) == 1 and errors[0].startswith("error: unexpected IndexError: a bug deep in the update (traceback in ")
+    assert len(errors) == 1
+    assert errors[0].startswith("error: unexpected IndexError: a bug deep in the update (traceback in ")
 
 
 class BrokenMode(FeedbackMode):

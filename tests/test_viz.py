@@ -279,6 +279,7 @@ def console_messages(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if CONSOLE.search(line)]
 
 
+@pytest.mark.slow
 def test_chromium_console_check_detects_a_thrown_error(chromium, tmp_path):
     page = tmp_path / "broken.html"
     page.write_text(render_tree_html(hand_record()).replace("</body>", '<script>throw new Error("x")</script></body>'))
@@ -286,6 +287,7 @@ def test_chromium_console_check_detects_a_thrown_error(chromium, tmp_path):
     assert any("Uncaught Error: x" in line for line in console_messages(done.stderr)), done.stderr[-3000:]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("source", ["hand", "cross"])
 def test_page_renders_in_chromium_without_console_errors(chromium, tmp_path, source):
     record = hand_record() if source == "hand" else synthetic(2, 2, 2)

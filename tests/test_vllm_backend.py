@@ -9,19 +9,19 @@ import pytest
 
 pytest.importorskip("vllm", reason="vllm not installed: bash scripts/setup_vllm.sh, then run with that venv's python")
 
-import torch  # noqa: E402
+import torch
 
-from magrpo.external.plain import plain  # noqa: E402
-from magrpo.config import ExternalConfig  # noqa: E402
-from magrpo.feedback import Feedback  # noqa: E402
-from magrpo.backends import make_backend  # noqa: E402
-from magrpo.generation import GenerationRequest, SamplingParams  # noqa: E402
-from magrpo.hf_backend import HFBackend  # noqa: E402
-from magrpo.models import load_agents  # noqa: E402
-from magrpo.rollout import TreeSettings, expand_trees  # noqa: E402
-from magrpo.tiny import TinySpec, tiny_model_path  # noqa: E402
-from magrpo.update import AgentUpdater, TrainSample, UpdateSettings, forward_logprobs, pack  # noqa: E402
-from magrpo.errors import SyncError  # noqa: E402
+from magrpo.backends import make_backend
+from magrpo.config import ExternalConfig
+from magrpo.errors import SyncError
+from magrpo.external.plain import plain
+from magrpo.feedback import Feedback
+from magrpo.generation import GenerationRequest, SamplingParams
+from magrpo.hf_backend import HFBackend
+from magrpo.models import load_agents
+from magrpo.rollout import TreeSettings, expand_trees
+from magrpo.tiny import TinySpec, tiny_model_path
+from magrpo.update import AgentUpdater, TrainSample, UpdateSettings, forward_logprobs, pack
 
 PROMPTS = ["x", "def add(a, b):\n    return a + b\n", "import os"]  # different lengths: left padding in HF
 
@@ -63,17 +63,20 @@ def test_sampled_logprobs_match_the_trainers_recomputed_logprobs(setup):
     for req, completions in zip(requests, out):
         assert len(completions) == 4
         model.set_adapter(agents[req.agent].adapter)
-        batch = pack([TrainSample(c.prompt_ids, c.token_ids, 0.0) for c in completions], agents[0].tokenizer.pad_token_id)
+        samples = [TrainSample(c.prompt_ids, c.token_ids, 0.0) for c in completions]
+        batch = pack(samples, agents[0].tokenizer.pad_token_id)
         with torch.no_grad():
             logp, _ = forward_logprobs(model, batch)
         for row, c in enumerate(completions):
-            torch.testing.assert_close(torch.tensor(c.logprobs), logp[row][batch.target_mask[row]], atol=1e-3, rtol=1e-3)
+            torch.testing.assert_close(torch.tensor(c.logprobs), logp[row][batch.target_mask[row]],
+                                       atol=1e-3, rtol=1e-3)
 
 
 def test_completions_end_at_eos_and_carry_the_agents_decoding(setup):
     agents, backend = setup
     tok = agents[0].tokenizer
-    out = backend.generate([GenerationRequest("def f(x):", a, 32) for a in (0, 1)], SamplingParams(max_new_tokens=12, temperature=2.0))
+    requests = [GenerationRequest("def f(x):", a, 32) for a in (0, 1)]
+    out = backend.generate(requests, SamplingParams(max_new_tokens=12, temperature=2.0))
     completions = [c for per_request in out for c in per_request]
     assert len(completions) == 64
     for c in completions:

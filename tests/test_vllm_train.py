@@ -10,8 +10,8 @@ import pytest
 
 pytest.importorskip("vllm", reason="vllm not installed: bash scripts/setup_vllm.sh, then run with that venv's python")
 
-from magrpo.trainer import train  # noqa: E402
-from tests.conftest import ROOT, SMALL, compose  # noqa: E402
+from magrpo.trainer import train
+from tests.conftest import ROOT, SMALL, compose
 
 RUN = ["backend=vllm", "trainer.steps=3", "trainer.lr=5e-2"]
 MODES = {"align": [], "cross": ["trainer.tis_cap=2.0"]}

@@ -49,7 +49,9 @@ class _Libc:
             raise OSError(errno, f"{name}{args[:2]}: {os.strerror(errno)}")
 
     def mount(self, source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
-        enc = (lambda s: s.encode() if s is not None else None)
+        def enc(s: str | None) -> bytes | None:
+            return s.encode() if s is not None else None
+
         self.call("mount", enc(source), enc(target), enc(fstype), flags, enc(data))
 
 
@@ -212,13 +214,13 @@ def serve(request_fd: int, reply_fd: int, max_message: int) -> None:
         for stream in streams:
             try:
                 stream.flush()
-            except BaseException:
+            except BaseException:  # noqa: BLE001  (the program may have broken its own streams)
                 pass
 
     while True:
         try:
             message = receive(request_fd, max_message, trusted=True)
-        except BaseException:
+        except BaseException:  # noqa: BLE001  (the judge is done (EOF) or gone)
             exit_(0)  # the judge is done (EOF) or gone
         if message["op"] == "load":
             try:
@@ -226,7 +228,7 @@ def serve(request_fd: int, reply_fd: int, max_message: int) -> None:
                 if message["entry_point"] not in namespace:
                     raise NameError(f"entry point {message['entry_point']!r} is not defined")
                 reply = {"id": message["id"], "loaded": True}
-            except BaseException as e:  # SystemExit / KeyboardInterrupt too: a definition failure
+            except BaseException as e:  # noqa: BLE001  SystemExit / KeyboardInterrupt too: a definition failure
                 reply = {"id": message["id"], "error": wire.describe(e)}
         else:
             try:
@@ -236,14 +238,14 @@ def serve(request_fd: int, reply_fd: int, max_message: int) -> None:
                     reply = {"id": message["id"], "value": encode(value)}
                 except not_plain as e:  # the judge fails the case
                     reply = {"id": message["id"], "unplain": str(e)}
-            except BaseException as e:
+            except BaseException as e:  # noqa: BLE001  (whatever the program raised goes back to the judge)
                 reply = {"id": message["id"], "raised": [type(e).__name__, wire.describe(e)]}
         if getpid() != me:  # a forked copy of this process: only the original answers
             exit_(0)
         flush()
         try:
             send(reply_fd, reply)
-        except BaseException:
+        except BaseException:  # noqa: BLE001  (the judge is gone)
             exit_(0)
 
 
@@ -251,7 +253,7 @@ def main(setup_text: str) -> None:
     setup = eval(setup_text, {"__builtins__": {}})  # a literal from the driver
     try:
         confine(setup)
-    except Exception as e:  # never run the program with fewer restrictions than asked for
+    except Exception as e:  # noqa: BLE001  never run the program with fewer restrictions than asked for
         _say(setup["status_fd"], {"setup_error": wire.describe(e)})
         os._exit(3)
     serve(setup["request_fd"], setup["reply_fd"], setup["max_message"])

@@ -54,7 +54,8 @@ class CodeEnv(Environment):
         eval_split: str = "test[132:]"
         """Hugging Face split syntax for evaluation problems."""
         num_agents: int = 2
-        """N >= 2: agents 0..N-2 write helpers `aux`, `aux2`, ..., agent N-1 the entry point; 1: the entry point alone."""
+        """N >= 2: agents 0..N-2 write helpers `aux`, `aux2`, ..., agent N-1 the entry point;
+        1: the entry point alone."""
         timeout_s: float = 5.0
         """Wall-clock limit for one program with all its test cases."""
         workers: int = 0
@@ -120,7 +121,11 @@ class CodeEnv(Environment):
                 suite = extract_tests(record["test"], record["entry_point"], prompt=record["prompt"])
             except ValueError:
                 continue
-            self._parsed[record["task_id"]] = (signature, suite, prompt_context(record["prompt"], record["entry_point"]))
+            self._parsed[record["task_id"]] = (
+                signature,
+                suite,
+                prompt_context(record["prompt"], record["entry_point"]),
+            )
             self.unsupported += sum(unsupported_reason(case, {"candidate", record["entry_point"]}) is not None
                                     for case in suite.cases)
             out.append(record)
@@ -159,7 +164,9 @@ class CodeEnv(Environment):
     def rewards(self, problems: Sequence[Mapping[str, Any]], joint_completions: Sequence[Sequence[str]]) -> list[float]:
         return [s.reward for s in self.score(problems, joint_completions)]
 
-    def outcomes(self, problems: Sequence[Mapping[str, Any]], joint_completions: Sequence[Sequence[str]]) -> list[dict[str, float]]:
+    def outcomes(
+        self, problems: Sequence[Mapping[str, Any]], joint_completions: Sequence[Sequence[str]]
+    ) -> list[dict[str, float]]:
         return [s.outcomes for s in self.score(problems, joint_completions)]
 
     def score(self, problems: Sequence[Mapping[str, Any]], joint_completions: Sequence[Sequence[str]]) -> list[Scored]:
@@ -191,7 +198,9 @@ class CodeEnv(Environment):
                 "aux_used": sum(h.used for h in a.helpers) / len(a.helpers) if a.helpers else 0.0,
                 "timeout": float(r is not None and r.timed_out),
             }
-            out.append(Scored(reward, outcomes, self.feedback_context(problems[i], joint_completions[i], a, r, reward, parts)))
+            out.append(
+                Scored(reward, outcomes, self.feedback_context(problems[i], joint_completions[i], a, r, reward, parts))
+            )
         return out
 
     def feedback_context(self, problem: Mapping[str, Any], texts: Sequence[str], a: Analysis,

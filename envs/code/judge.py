@@ -128,7 +128,7 @@ def _as_exception(raised) -> BaseException:
         message = text.split(": ", 1)[1] if ": " in text else ""
         try:
             return kind(message) if message else kind()
-        except Exception:  # types with other constructors (UnicodeDecodeError)
+        except Exception:  # noqa: BLE001  types with other constructors (UnicodeDecodeError)
             pass
     return CandidateError(text[:wire.ERROR_CHARS])
 
@@ -156,7 +156,7 @@ def judge(job: dict, compiled: dict, channel: Channel) -> list[list]:
     namespace: dict = {"__name__": "__judge__"}
     try:
         exec(compiled[job["preamble"]], namespace)
-    except BaseException as e:
+    except BaseException as e:  # noqa: BLE001  (whatever the preamble raises fails every case)
         return [[False, f"preamble: {wire.describe(e)}", ""]] * len(cases)
     for name in job["names"]:
         namespace.setdefault(name, _Proxy(channel, name))
@@ -175,7 +175,7 @@ def judge(job: dict, compiled: dict, channel: Channel) -> list[list]:
             verdict = [False, str(e), e.kind]
         except JudgeTimeout:
             verdict = [False, TIMEOUT, TIMEOUT]
-        except BaseException as e:
+        except BaseException as e:  # noqa: BLE001  (whatever a case raises fails it)
             failed = channel.failed
             verdict = [False, wire.describe(e), ""] if failed is None else [False, str(failed), failed.kind]
         out.append(verdict)

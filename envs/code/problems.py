@@ -266,6 +266,13 @@ def _spec_parts(split: str) -> list[str]:
     return re.split(r"\s*\+\s*", split.strip())
 
 
+def _percent_rows(bound: int, n: int, rounding: str | None) -> int:
+    """A percent bound as a row count, rounded the way Hugging Face datasets does."""
+    if rounding == "pct1_dropremainder":
+        return bound * math.trunc(n / 100.0)
+    return int(round(bound * n / 100.0))
+
+
 def split_indices(split: str, sizes: dict[str, int]) -> list[tuple[str, int]]:
     """(split name, row index) pairs selected by an HF split spec, with `datasets`' semantics:
     one `%` makes both bounds percents, rounded to the closest row (or `pct1_dropremainder`);
@@ -289,11 +296,8 @@ def split_indices(split: str, sizes: dict[str, int]) -> list[tuple[str, int]]:
             if rounding == "pct1_dropremainder":
                 if n < 100:
                     raise ValueError(f"split {part!r}: pct1_dropremainder needs at least 100 rows")
-                to_rows = lambda b: b * math.trunc(n / 100.0)  # noqa: E731
-            else:
-                to_rows = lambda b: int(round(b * n / 100.0))  # noqa: E731
-            lo = 0 if lo is None else to_rows(lo)
-            hi = n if hi is None else to_rows(hi)
+            lo = 0 if lo is None else _percent_rows(lo, n, rounding)
+            hi = n if hi is None else _percent_rows(hi, n, rounding)
         lo = 0 if lo is None else lo
         hi = n if hi is None else hi
         lo = min(max(n + lo, 0) if lo < 0 else lo, n)
@@ -372,7 +376,9 @@ def _read_jsonl(path: Path) -> list[dict]:
         with opener(path, "rt", encoding="utf-8") as f:
             records = [_record(path, number, line) for number, line in enumerate(f, start=1) if line.strip()]
     except (OSError, EOFError, UnicodeDecodeError) as e:  # unreadable, a folder, a broken .gz, not UTF-8
-        raise DatasetError(f"{path}: cannot read it ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+        raise DatasetError(
+            f"{path}: cannot read it ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+        ) from None
     if not records:  # said here: an empty split would blame the split spec
         raise DatasetError(f"{path}: no records (the file is empty)")
     return records
@@ -384,7 +390,9 @@ def _record(path: Path, number: int, line: str) -> dict:
     except json.JSONDecodeError as e:
         raise DatasetError(f"{path} line {number}: not valid JSON ({e.msg} at column {e.colno})") from None
     if not isinstance(record, dict):
-        raise DatasetError(f"{path} line {number}: expected a JSON object with {', '.join(FIELDS)}, got {type(record).__name__}")
+        raise DatasetError(
+            f"{path} line {number}: expected a JSON object with {', '.join(FIELDS)}, got {type(record).__name__}"
+        )
     missing = [key for key in FIELDS if not isinstance(record.get(key), str)]
     if missing:
         raise DatasetError(f"{path} line {number}: record lacks string field(s) {', '.join(missing)}")
@@ -404,7 +412,9 @@ def load_problems(dataset: str, split: str) -> list[dict]:
     key = dataset.lower()
     if key not in SOURCES:
         if not dataset.endswith((".jsonl", ".jsonl.gz")):
-            raise DatasetError(f"{dataset!r} is not allowed; choose one of: {', '.join(SOURCES)} or a path to a .jsonl file")
+            raise DatasetError(
+                f"{dataset!r} is not allowed; choose one of: {', '.join(SOURCES)} or a path to a .jsonl file"
+            )
         path = Path(dataset).expanduser()
         if not path.is_file():
             raise DatasetUnavailable(f"{dataset}: {'a folder, not a file' if path.is_dir() else 'no such file'}")

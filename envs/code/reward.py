@@ -134,7 +134,7 @@ def _parse_def_only(code: str, name: str) -> ast.Module | None:
             while end < len(lines) and (not lines[end].strip() or len(lines[end]) - len(lines[end].lstrip()) > indent):
                 end += 1
             try:
-                return ast.parse("\n".join(l[indent:] for l in lines[i:end]))
+                return ast.parse("\n".join(line[indent:] for line in lines[i:end]))
             except SyntaxError:
                 return None
     return None

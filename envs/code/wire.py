@@ -24,7 +24,7 @@ def describe(exc):
     """'Type: message', first line only, short (a user exception's __str__ may even raise)."""
     try:
         message = str(exc)
-    except BaseException:
+    except BaseException:  # noqa: BLE001  (str() of a hostile exception may raise anything)
         message = "<unprintable>"
     text = type(exc).__name__ + (f": {message}" if message else "")
     return text.split("\n", 1)[0][:ERROR_CHARS]

@@ -28,12 +28,16 @@ class ExpertCache:
 
     def get(self, backend: str, model: str, prompt: str) -> str | None:
         with self._lock:
-            row = self._db.execute("SELECT reply FROM replies WHERE key = ?", (_key(backend, model, prompt),)).fetchone()
+            row = self._db.execute(
+                "SELECT reply FROM replies WHERE key = ?", (_key(backend, model, prompt),)
+            ).fetchone()
         return None if row is None else row[0]
 
     def put(self, backend: str, model: str, prompt: str, reply: str) -> None:
         with self._lock:
-            self._db.execute("INSERT OR REPLACE INTO replies (key, reply) VALUES (?, ?)", (_key(backend, model, prompt), reply))
+            self._db.execute(
+                "INSERT OR REPLACE INTO replies (key, reply) VALUES (?, ?)", (_key(backend, model, prompt), reply)
+            )
 
 
 def open_cache(setting: str) -> ExpertCache | None:

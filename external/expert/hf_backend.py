@@ -37,7 +37,9 @@ class HFExpert:
                 tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
                 model = AutoModelForCausalLM.from_pretrained(path).eval()
             except (OSError, ValueError) as e:
-                raise ConfigError("external.expert.model", f"cannot load {self.model!r}: {str(e).splitlines()[0]}") from None
+                raise ConfigError(
+                    "external.expert.model", f"cannot load {self.model!r}: {str(e).splitlines()[0]}"
+                ) from None
             if tokenizer.pad_token_id is None:
                 tokenizer.pad_token = tokenizer.eos_token
             self._loaded = (tokenizer, model)

@@ -53,9 +53,14 @@ class OpenAIExpert:
             if e.status_code in (401, 403):
                 env = self.cfg.api_key_env
                 unset = "" if os.environ.get(env) else f" (${env} is not set)"
-                raise ExpertError("external.expert.api_key_env", f"{base} rejected the key from ${env}{unset} ({e.status_code}): {_server_message(e)}") from None
+                raise ExpertError(
+                    "external.expert.api_key_env",
+                    f"{base} rejected the key from ${env}{unset} ({e.status_code}): {_server_message(e)}",
+                ) from None
             if e.status_code != 404:
-                raise ExpertError("external.expert.base_url", f"{base}/models answered {e.status_code}: {_server_message(e)}") from None
+                raise ExpertError(
+                    "external.expert.base_url", f"{base}/models answered {e.status_code}: {_server_message(e)}"
+                ) from None
             served = []  # some servers have no /models; the first completion will tell
         except openai.APIConnectionError as e:
             raise ExpertError("external.expert.base_url", f"cannot reach {base}: {_reason(e)}") from None
@@ -81,8 +86,13 @@ class OpenAIExpert:
         replies = _map_until(lambda p: self._complete_one(p, cutoff), unique, self.max_concurrency, cutoff, deadline)
         late = len(unique) - len(replies)
         if late:
-            log.warning("expert: %d request(s) to %s still pending at the turn deadline (external.expert.turn_deadline_s"
-                        "=%g); their branches fall back", late, self.cfg.base_url, self.cfg.turn_deadline_s)
+            log.warning(
+                "expert: %d request(s) to %s still pending at the turn deadline (external.expert.turn_deadline_s"
+                "=%g); their branches fall back",
+                late,
+                self.cfg.base_url,
+                self.cfg.turn_deadline_s,
+            )
         for _ in range(late):  # failures to the breaker too: a server that never lets a request end must trip it
             self._record(False)
         self.counts.add(cache_hits=len(prompts) - len(unique), late=late)
@@ -187,7 +197,9 @@ def _build_client(cfg: ExpertConfig) -> tuple[Any, Any]:
     try:
         import openai
     except ImportError:
-        raise ExpertError("external.expert.backend", "openai backend needs the openai package: pip install 'magrpo[expert]'") from None
+        raise ExpertError(
+            "external.expert.backend", "openai backend needs the openai package: pip install 'magrpo[expert]'"
+        ) from None
     client = openai.OpenAI(
         base_url=cfg.base_url,
         # Local servers (vLLM, Ollama) ignore the key, but the client refuses to start without one.
@@ -198,7 +210,9 @@ def _build_client(cfg: ExpertConfig) -> tuple[Any, Any]:
     return openai, client
 
 
-def _map_until(fn: Callable[[str], Any], items: list[str], workers: int, start_by: float, deadline: float) -> dict[str, Any]:
+def _map_until(
+    fn: Callable[[str], Any], items: list[str], workers: int, start_by: float, deadline: float
+) -> dict[str, Any]:
     """{item: fn(item)} for the items started by `start_by` and done by `deadline` (time.monotonic()),
     at most `workers` at once.
     Daemon threads: one still blocked in a request after the deadline delays neither the caller nor
@@ -213,7 +227,7 @@ def _map_until(fn: Callable[[str], Any], items: list[str], workers: int, start_b
                 item = todo.popleft()
             try:
                 result = fn(item)
-            except Exception:  # noqa: BLE001  a bug here must cost one fallback, not the turn's deadline
+            except Exception:
                 log.exception("expert request failed unexpectedly")
                 result = None
             with changed:

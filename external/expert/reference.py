@@ -3,9 +3,10 @@
 It stands in for a strong expert model when no endpoint is configured. What it reveals, exactly:
 when the joint program passes every test, nothing ("no changes" for every agent); otherwise, when
 the problem has a canonical solution, that solution, without its docstring, to every agent: to each
-helper writer renamed to its helper (`aux`, `aux2`, ...), to the main writer as the entry point itself. It reads the test results
-the env computed while scoring (no second sandbox run). A problem without a canonical solution
-gets no proposal, and the mode falls back to level_feedback (counted as a fallback).
+helper writer renamed to its helper (`aux`, `aux2`, ...), to the main writer as the entry point
+itself. It reads the test results the env computed while scoring (no second sandbox run). A problem
+without a canonical solution gets no proposal, and the mode falls back to level_feedback (counted
+as a fallback).
 """
 from __future__ import annotations
 

@@ -1,0 +1,147 @@
+"""Fakes shared by the tests: a backend, envs, feedback and a clock that stand in for the model,
+the graders and time, so the tree, evaluation and expert logic run in milliseconds without a model."""
+from __future__ import annotations
+
+import copy
+import re
+from typing import Callable
+
+from magrpo.config import ExternalConfig
+from magrpo.env import Environment
+from magrpo.feedback import Feedback
+from magrpo.generation import SamplingParams
+from magrpo.tree import Completion
+
+PROBLEMS = [{"prompt": "P0", "offset": 0.0}, {"prompt": "P1", "offset": 0.25}]
+B = len(PROBLEMS)
+SAMPLING = SamplingParams(max_new_tokens=4)
+TEXT = re.compile(r"^a(\d+)k(\d+)u(\d+)$")
+
+
+class FakeBackend:
+    """`request.n` completions per request, texts "a{agent}k{k}u{uid}" with a globally unique uid."""
+
+    def __init__(self):
+        self.generate_calls = 0
+        self.sync_calls = 0
+        self.origin: dict[int, tuple[str, int]] = {}  # uid -> (prompt, agent) of the request it answered
+        self.requests_per_call: list[int] = []
+        self._uid = 0
+
+    def generate(self, requests, params):
+        self.generate_calls += 1
+        self.requests_per_call.append(len(requests))
+        out = []
+        for r in requests:
+            comps = []
+            for k in range(r.n):
+                self._uid += 1
+                self.origin[self._uid] = (r.prompt, r.agent)
+                comps.append(Completion(token_ids=[k + 1, self._uid % 50], text=f"a{r.agent}k{k}u{self._uid}",
+                                        prompt_ids=[len(r.prompt) % 50], finished=True))
+            out.append(comps)
+        return out
+
+    def sync_weights(self):
+        self.sync_calls += 1
+
+
+def sum_of_indices(problem, texts):
+    """Reward: the sum of the chosen completion indices k, plus the problem's offset."""
+    return sum(int(TEXT.match(t).group(2)) for t in texts) + problem["offset"]
+
+
+class FakeEnv(Environment):
+    def __init__(self, n: int, reward: Callable = sum_of_indices):
+        super().__init__(cfg=None)
+        self._n = n
+        self._reward = reward
+        self.reward_calls = 0
+        self.reward_batch_sizes: list[int] = []
+
+    @property
+    def num_agents(self) -> int:
+        return self._n
+
+    def agent_prompts(self, problem):
+        return [f"{problem['prompt']}::agent{i}" for i in range(self._n)]
+
+    def rewards(self, problems, joint_completions):
+        self.reward_calls += 1
+        self.reward_batch_sizes.append(len(joint_completions))
+        assert len(problems) == len(joint_completions)
+        return [self._reward(p, texts) for p, texts in zip(problems, joint_completions)]
+
+
+class RecordingFeedback:
+    """Returns one distinct prompt per agent and keeps a deep copy of every call's arguments."""
+
+    def __init__(self):
+        self.calls: list[dict] = []
+
+    def __call__(self, prompt, agent_completions, num_agents, prompt_history_per_agent, response_history_per_agent):
+        out = [f"fb{len(self.calls)}-a{i}" for i in range(num_agents)]
+        self.calls.append(copy.deepcopy(dict(
+            prompt=prompt, agent_completions=agent_completions, num_agents=num_agents,
+            prompt_history_per_agent=prompt_history_per_agent,
+            response_history_per_agent=response_history_per_agent, returned=out)))
+        return out
+
+
+def serial(fn, env) -> Feedback:
+    """One branch at a time, so a recording function sees the calls in branch order."""
+    return Feedback(ExternalConfig(max_concurrency=1), env, fn)
+
+
+class AlternatingBackend:
+    """Greedy rows always write "pass"; sampled rows alternate pass, fail, pass, ... in call order."""
+
+    def __init__(self):
+        self.generate_calls = 0
+        self.greedy_calls = 0
+        self.counter = 0
+
+    def generate(self, requests, params):
+        self.generate_calls += 1
+        self.greedy_calls += params.greedy
+        out = []
+        for r in requests:
+            assert r.n == 1  # evaluation paths: one completion per agent per node
+            if params.greedy:
+                text = "pass"
+            else:
+                text = "pass" if self.counter % 2 == 0 else "fail"
+                self.counter += 1
+            out.append([Completion([1], text, [2], True)])
+        return out
+
+    def sync_weights(self):
+        pass
+
+
+class PassEnv(Environment):
+    num_agents = 1
+
+    def agent_prompts(self, problem):
+        return [problem["prompt"]]
+
+    def outcomes(self, problems, joint_completions):
+        return [{"reward": float(t[0] == "pass"), "passed": float(t[0] == "pass")} for t in joint_completions]
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def tiny_qwen2(vocab_size: int, num_hidden_layers: int, seed: int = 0):
+    """A randomly initialised Qwen2 of a few thousand parameters (hidden 16): no download, no cache."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(Qwen2Config(vocab_size=vocab_size, hidden_size=16, num_hidden_layers=num_hidden_layers,
+                                        num_attention_heads=2, num_key_value_heads=1, intermediate_size=32))
