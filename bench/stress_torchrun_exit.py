@@ -7,6 +7,7 @@ the exit status is 1 when any run did not exit 0.
     .venv/bin/python bench/stress_torchrun_exit.py                   # 5 rounds (10 runs), ~10-20 s a run on 2 cores
     .venv/bin/python bench/stress_torchrun_exit.py 20                # N rounds
     .venv/bin/python bench/stress_torchrun_exit.py 20 --collectives  # N runs of tests/gloo_exit_probe.py, ~3 s each
+    ~/.cache/magrpo/vllm-venv/bin/python bench/stress_torchrun_exit.py 2 --vllm  # backend=vllm, ~60-90 s a run
 
 --collectives skips the model: a World, the late `torch.distributed.nn` import that model loading
 makes, 20 rounds of collectives, close. Before World imported torch.distributed.nn ahead of
@@ -41,7 +42,8 @@ def launch(script: str, *args: str) -> tuple[str, str]:
 
 
 def main() -> int:
-    args = [a for a in sys.argv[1:] if a != "--collectives"]
+    args = [a for a in sys.argv[1:] if a not in ("--collectives", "--vllm")]
+    backend = ["backend=vllm"] if "--vllm" in sys.argv else []  # one engine per process, stopped at exit
     rounds = int(args[0]) if args else 5
     counts = {"ok": 0, "aborted": 0, "failed": 0}
     for i in range(rounds):
@@ -51,7 +53,7 @@ def main() -> int:
                 runs = [("collectives", "tests/gloo_exit_probe.py", [])]
             else:
                 stages = (("fresh", ["trainer.steps=2"]), ("resume", ["trainer.steps=3", "resume=auto"]))
-                runs = [(label, "train.py", [*SETTINGS, f"logging.run_dir={run_dir}", *overrides])
+                runs = [(label, "train.py", [*SETTINGS, *backend, f"logging.run_dir={run_dir}", *overrides])
                         for label, overrides in stages]
             for label, script, script_args in runs:
                 start = time.perf_counter()

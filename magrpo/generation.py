@@ -3,8 +3,9 @@
 A request is one agent's prompt at one node; the backend returns `n` sampled completions for it,
 with their token ids (and sampling log-probs when asked). Backends batch all requests of a call
 together, whatever the agents, nodes and trees they come from. A request's `seed` keys its random
-streams (magrpo.sampling): the HF backend then samples the same completions in any batch; vLLM's
-own sampler ignores it (seeded runs there are not bit-reproducible).
+streams (magrpo.sampling): the HF backend then samples the same completions in any batch; vLLM
+seeds the request's own generator with it (its streams differ from HF's, and a sample can still
+change where batch composition changes the logits' last bits).
 """
 from __future__ import annotations
 

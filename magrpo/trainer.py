@@ -169,6 +169,8 @@ class Run:
         # The same problem order on every rank; each takes its shard of every batch.
         self.sampler = ProblemSampler(env.problems("train"), trainer.seed)
         state = checkpoint.resume(chosen, world, self.agents, self.updaters, self.sampler, env)
+        if state:  # the engine (vllm) still serves the adapters it started with, not the checkpoint's
+            self.backend.sync_weights()
         self.first_step, self.env_step = (state["step"] + 1, state["env_step"]) if state else (1, 0)
         if world.is_main:  # only now, with a matching checkpoint loaded (or none to match), is the run dir touched
             checkpoint.claim_run_dir(self.dir, state["step"] if state else None)

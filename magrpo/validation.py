@@ -40,8 +40,11 @@ def validate(cfg: TrainConfig) -> None:
             raise ConfigError(
                 "trainer.batch_size", f"must be >= the number of processes ({world_size}): each needs a tree"
             )
-        if cfg.backend != "hf":
-            raise ConfigError("backend", f"{cfg.backend!r} runs in one process; with torchrun use backend=hf")
+        if cfg.backend == "vllm" and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
+            # In-process, vLLM's worker adopts the already initialised default group: torchrun's.
+            raise ConfigError("backend", "vllm under torchrun runs each engine in processes of its own; "
+                                         "VLLM_ENABLE_V1_MULTIPROCESSING=0 would put it in torchrun's process "
+                                         "group: unset it")
     above("trainer.dist_timeout_min", trainer.dist_timeout_min, 0)
     from .distributed import is_main_process
 

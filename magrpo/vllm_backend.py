@@ -1,10 +1,14 @@
 """vLLM backend: one engine per distinct base model, one LoRA per agent, adapter-only weight sync.
 
-Each engine lives in the trainer's process (colocated) with prefix caching on, so the K samples of
-a request and the children of a node (whose prompts start with the parent's) reuse KV blocks. All
-requests of a turn for one base model go into one `LLM.generate` call, each carrying its agent's
-`LoRARequest`. Prompts are sent as token ids made by `Agent.encode_prompts`, so `prompt_ids` are
-exactly what the trainer scores.
+Each engine lives next to the trainer (colocated: vLLM's engine core is a child process of the
+trainer's) with prefix caching on, so the K samples of a request and the children of a node (whose
+prompts start with the parent's) reuse KV blocks. All requests of a turn for one base model go into
+one `LLM.generate` call, each carrying its agent's `LoRARequest` and its seed (vLLM's per-request
+sampling seed, so a tree samples the same completions whatever else shares the batch). Prompts are
+sent as token ids made by `Agent.encode_prompts`, so `prompt_ids` are exactly what the trainer scores.
+
+Under torchrun every process starts its own engines on its own share of the machine (`engine_env`):
+the engine is a world of its own, never a member of the trainer's process group.
 
 Weight sync: after every optimizer step the adapters are saved (not merged into the base) and
 registered under a new `lora_int_id`; the previous version is evicted. Two guards stop the run with
@@ -15,13 +19,14 @@ vllm is imported here only, so magrpo itself never needs it.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
 import typing
 from collections import defaultdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Iterator, Mapping, Sequence
 
 import torch
 
@@ -36,7 +41,9 @@ if TYPE_CHECKING:
     from .config import TrainConfig
 
 # A fixed sequence whose log-probs the trainer and the engine must agree on after every sync.
-PROBE_TEXT = "def probe(values):\n    total = 0\n    for v in sorted(values):\n        total += v * 2\n    return total\n"
+PROBE_TEXT = (
+    "def probe(values):\n    total = 0\n    for v in sorted(values):\n        total += v * 2\n    return total\n"
+)
 
 
 def lora_rank_for(r: int, allowed: Sequence[int]) -> int:
@@ -50,7 +57,62 @@ def lora_rank_for(r: int, allowed: Sequence[int]) -> int:
 def adapter_fingerprint(agent: Agent) -> torch.Tensor:
     """Cheap exact summary of an agent's adapter: any optimizer step changes it."""
     params = agent.trainable_parameters()
-    return torch.stack([torch.stack([p.detach().double().sum(), p.detach().double().abs().sum()]) for p in params]).cpu()
+    return torch.stack(
+        [torch.stack([p.detach().double().sum(), p.detach().double().abs().sum()]) for p in params]
+    ).cpu()
+
+
+# What torchrun puts in each process's environment. vLLM reads some of them (RANK, LOCAL_RANK, MASTER_*)
+# when it believes a torchrun-like launcher started it (env:// rendezvous, external_launcher, data
+# parallel ranks): an engine started from a rank must not see them, or it may try to join that world.
+TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                 "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def engine_env(environ: Mapping[str, str], device: torch.device, cpus: Sequence[int]) -> dict[str, str | None]:
+    """Environment changes (None = unset) for starting an engine from this process: none without
+    torchrun. Under torchrun: torchrun's variables removed; on CUDA the engine sees only the trainer's
+    GPU; on a CPU its OpenMP threads are bound to this rank's share of `cpus` (vLLM's own automatic
+    binding would put every rank's engine on the same cores), unless VLLM_CPU_OMP_THREADS_BIND is set."""
+    if int(environ.get("WORLD_SIZE", "1")) <= 1:
+        return {}
+    changes: dict[str, str | None] = {k: None for k in environ if k in TORCHRUN_VARS or k.startswith("TORCHELASTIC_")}
+    if device.type == "cuda":
+        visible = environ.get("CUDA_VISIBLE_DEVICES")
+        ids = visible.split(",") if visible else [str(i) for i in range(device.index + 1)]
+        changes["CUDA_VISIBLE_DEVICES"] = ids[device.index]
+    elif "VLLM_CPU_OMP_THREADS_BIND" not in environ:
+        rank, ranks = int(environ.get("LOCAL_RANK", "0")), int(environ.get("LOCAL_WORLD_SIZE", "1"))
+        cpus = sorted(cpus)
+        # a contiguous slice per rank; with more ranks than cores, ranks take turns on them
+        share = cpus[rank * len(cpus) // ranks:(rank + 1) * len(cpus) // ranks] if ranks <= len(cpus) \
+            else [cpus[rank % len(cpus)]]
+        changes["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, share))
+    return changes
+
+
+def _set_environ(values: Mapping[str, str | None]) -> None:
+    for key, value in values.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+@contextlib.contextmanager
+def patched_environ(changes: Mapping[str, str | None]) -> Iterator[None]:
+    """os.environ with `changes` applied (None = unset) inside the block, restored after it."""
+    saved = {k: os.environ.get(k) for k in changes}
+    try:
+        _set_environ(changes)
+        yield
+    finally:
+        _set_environ(saved)
+
+
+def usable_cpus() -> list[int]:
+    """The cores this process may run on (all of them where the OS cannot say)."""
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
 
 
 class VLLMBackend:
@@ -72,18 +134,21 @@ class VLLMBackend:
             self.by_path[agent.model_path].append(agent)
         dtype = cfg.model.dtype if self.cfg.dtype == "auto" else self.cfg.dtype
         rank = lora_rank_for(cfg.lora.r, typing.get_args(MaxLoRARanks))
-        self.engines = {
-            path: vllm.LLM(
-                model=path, dtype=dtype, seed=cfg.trainer.seed, enforce_eager=self.cfg.enforce_eager,
-                enable_lora=True, max_loras=len(group), max_lora_rank=rank, enable_prefix_caching=True,
-                gpu_memory_utilization=self.cfg.gpu_memory_utilization, max_model_len=self.cfg.max_model_len or None,
-                block_size=self.cfg.block_size or None,
-                enable_sleep_mode=self.cfg.sleep_mode, trust_remote_code=cfg.model.trust_remote_code,
-                # Completion.logprobs means "under the sampling distribution" (temperature, top-k/p), as in HF.
-                logprobs_mode="processed_logprobs", disable_log_stats=False,
-            )
-            for path, group in self.by_path.items()
-        }
+        device = next(self.agents[0].model.parameters()).device
+        # The engine core (and its worker) are spawned here and read their environment when they start.
+        with patched_environ(engine_env(os.environ, device, usable_cpus())):
+            self.engines = {
+                path: vllm.LLM(
+                    model=path, dtype=dtype, seed=cfg.trainer.seed, enforce_eager=self.cfg.enforce_eager,
+                    enable_lora=True, max_loras=len(group), max_lora_rank=rank, enable_prefix_caching=True,
+                    gpu_memory_utilization=self.cfg.gpu_memory_utilization,
+                    max_model_len=self.cfg.max_model_len or None, block_size=self.cfg.block_size or None,
+                    enable_sleep_mode=self.cfg.sleep_mode, trust_remote_code=cfg.model.trust_remote_code,
+                    # Completion.logprobs means "under the sampling distribution" (temperature, top-k/p), as in HF.
+                    logprobs_mode="processed_logprobs", disable_log_stats=False,
+                )
+                for path, group in self.by_path.items()
+            }
         self.root = Path(tempfile.mkdtemp(prefix="magrpo-lora-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
         self.version = 0
         self.lora: dict[int, object] = {}  # agent index -> its current LoRARequest
@@ -106,7 +171,7 @@ class VLLMBackend:
             eos = sorted(self.agents[requests[ids[0]].agent].eos_ids())
             outputs = self.engines[path].generate(
                 [TokensPrompt(prompt_token_ids=prompt_ids[r]) for r in ids],
-                [self._sampling(params, requests[r].n, eos) for r in ids],
+                [self._sampling(params, requests[r].n, eos, requests[r].seed) for r in ids],
                 lora_request=[self.lora[requests[r].agent] for r in ids],
                 use_tqdm=False,
             )
@@ -126,14 +191,16 @@ class VLLMBackend:
         return results
 
     @staticmethod
-    def _sampling(params: SamplingParams, n: int, eos: list[int]):
+    def _sampling(params: SamplingParams, n: int, eos: list[int], seed: int | None):
+        """vLLM's sampling settings for one request. With a seed, vLLM samples the request's j-th
+        completion from its own generator seeded seed + j, whatever else shares the batch."""
         import vllm
 
         shape = dict(temperature=0.0) if params.greedy else dict(
             temperature=params.temperature, top_p=params.top_p, top_k=params.top_k)
         # detokenize=False: we decode with the agent's tokenizer, exactly as the HF backend does.
         return vllm.SamplingParams(n=n, max_tokens=params.max_new_tokens, stop_token_ids=eos, detokenize=False,
-                                   logprobs=0 if params.logprobs else None, **shape)
+                                   logprobs=0 if params.logprobs else None, seed=seed, **shape)
 
     # ---- weight sync and its guards ---------------------------------------------------------
     def sync_weights(self) -> None:
@@ -178,7 +245,9 @@ class VLLMBackend:
                 [TokensPrompt(prompt_token_ids=ids)] * len(group),
                 VSamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False),
                 lora_request=[self.lora[a.index] for a in group], use_tqdm=False)
-            engine = torch.tensor([[out.prompt_logprobs[t][ids[t]].logprob for t in range(1, len(ids))] for out in outs])
+            engine = torch.tensor(
+                [[out.prompt_logprobs[t][ids[t]].logprob for t in range(1, len(ids))] for out in outs]
+            )
             trainer = self._trainer_logprobs(group, ids)
             for agent, gap in zip(group, (engine - trainer).abs().mean(-1).tolist()):
                 gaps[agent.index] = gap

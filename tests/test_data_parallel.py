@@ -177,17 +177,22 @@ def test_no_gloo_thread_outlives_a_finished_run(tmp_path):
     assert reports == [f"rank {r}: gloo threads after close: []" for r in (0, 1)], reports
 
 
-@pytest.mark.parametrize("overrides,key", [(["trainer.batch_size=2"], "trainer.batch_size"),
-                                           (["trainer.batch_size=8", "backend=vllm"], "backend")])
-def test_torchrun_settings_that_cannot_work_are_one_line_errors(monkeypatch, overrides, key):
+@pytest.mark.parametrize("overrides,env,key,says", [
+    (["trainer.batch_size=2"], {}, "trainer.batch_size", "number of processes"),
+    # backend=vllm itself runs under torchrun (tests/test_vllm_train.py), its engine out of process only
+    (["trainer.batch_size=8", "backend=vllm"], {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, "backend", "VLLM_ENABLE_V1"),
+])
+def test_torchrun_settings_that_cannot_work_are_one_line_errors(monkeypatch, overrides, env, key, says):
     from magrpo.errors import ConfigError
     from magrpo.validation import validate
     from tests.conftest import compose
 
     monkeypatch.setenv("WORLD_SIZE", "4")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
     with pytest.raises(ConfigError) as e:
         validate(compose([*SMALL, *overrides]))
-    assert e.value.key == key and "\n" not in str(e.value)
+    assert e.value.key == key and says in str(e.value) and "\n" not in str(e.value)
 
 
 @pytest.mark.slow

@@ -103,11 +103,26 @@ def test_one_generate_call_per_turn_and_prefix_cache_hits(setup, truncate_env, m
     assert backend.metrics()["perf/prefix_cache_hit_rate"] > 0.5
 
 
+def test_a_seeded_request_samples_the_same_completions_in_any_batch(setup):
+    """vLLM's per-request seed: what lets torchrun ranks sample one process's trees (test_vllm_train.py)."""
+    _, backend = setup
+    params = SamplingParams(max_new_tokens=12, temperature=1.5)
+    alone = backend.generate([GenerationRequest("def f(x):", 0, 4, seed=7)], params)[0]
+    others = [GenerationRequest(p, a, 3, seed=100 + a) for p in PROMPTS for a in (0, 1)]
+    batched = backend.generate([*others, GenerationRequest("def f(x):", 0, 4, seed=7)], params)[-1]
+    assert [c.token_ids for c in batched] == [c.token_ids for c in alone]
+    assert len({tuple(c.token_ids) for c in alone}) > 1  # the request's samples are not copies of one another
+    reseeded = backend.generate([GenerationRequest("def f(x):", 0, 4, seed=8)], params)[0]
+    assert [c.token_ids for c in reseeded] != [c.token_ids for c in alone]
+
+
 def optimizer_step(agent, backend, lr=0.05):
     """One real AgentUpdater step on the agent's own samples, with alternating advantages."""
     out = backend.generate([GenerationRequest(p, agent.index, 2) for p in PROMPTS], SamplingParams(max_new_tokens=6))
     samples = [TrainSample(c.prompt_ids, c.token_ids, 1.0 if k == 0 else -1.0) for cs in out for k, c in enumerate(cs)]
-    AgentUpdater(agent, lr, 0.0, 0).step(samples, UpdateSettings(max_new_tokens=6, max_grad_norm=0.0), micro_batch_size=32)
+    AgentUpdater(agent, lr, 0.0, 0).step(
+        samples, UpdateSettings(max_new_tokens=6, max_grad_norm=0.0), micro_batch_size=32
+    )
 
 
 def test_after_an_optimizer_step_and_a_sync_the_engine_serves_the_new_adapter(setup):
