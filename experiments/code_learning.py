@@ -182,7 +182,7 @@ def overrides(name: str, seed: int, sizes: Sizes, dataset: Path, n_train: int, r
         f"trainer.seed={seed}", f"generation.max_new_tokens={sizes.max_new_tokens}", "eval.at_start=true",
         "eval.at_end=true", f"eval.every={eval_every}", f"eval.max_problems={sizes.eval_problems}",
         f"eval.num_samples={sizes.eval_samples}", f"logging.run_dir='{run_dir}'", "logging.wandb.mode=disabled",
-        "logging.samples_every=0", "resume=auto",
+        "logging.samples_every=0", "resume=auto", "checkpoint.every=5",  # a killed run loses at most 5 steps
     ]
 
 
@@ -351,7 +351,7 @@ def report(out: Path, doc: Path, image: Path) -> str:
             f"Training problems: {len(selection.get('selected', []))} of {len(selection.get('rates', {}))} "
             f"candidates (selection {selection.get('date', '?')}, {selection.get('seconds', '?')} s, "
             f"{selection.get('samples', '?')} samples each); held-out: HumanEval {HELD_OUT_SPLIT}.",
-            f"Sizes: {json.dumps(next(iter(next(iter(runs.values())).values()))[1].get('sizes', {}))}.",
+            f"Sizes: {json.dumps(next(iter(next(iter(runs.values())).values()))[1].get('sizes', 'not recorded'))}.",
             "", f"![results]({os.path.relpath(image, doc.parent)})", ""]
     text = "\n".join(head) + "\n" + table(runs)
     doc.parent.mkdir(parents=True, exist_ok=True)
