@@ -36,6 +36,7 @@ if str(ROOT) not in sys.path:  # `python experiments/code_learning.py` from a cl
 
 TRAIN_SPLIT, HELD_OUT_SPLIT = "test[:132]", "test[132:]"  # the code env's own defaults
 SELECT_STREAM = 7  # sampling stream of the selection paths (training uses 0, evaluation 1)
+SELECT_CHUNK = 8  # candidates sampled per batch
 
 
 @dataclass(frozen=True)
@@ -110,12 +111,18 @@ def select(sizes: Sizes, out: Path, seed: int = 0) -> dict[str, Any]:
     sampling = SamplingParams(g.max_new_tokens, g.temperature, g.top_p, g.top_k)
     start = time.perf_counter()
     backend = make_backend(cfg, load_agents(cfg, env.num_agents))
+    rates: dict[str, float] = {}
     try:
-        repeated = [p for p in candidates for _ in range(sizes.select_samples)]
-        paths = run_paths(repeated, env, backend, feedback, 1, sampling, seed=stream_key(seed, SELECT_STREAM))[0]
+        for first in range(0, len(candidates), SELECT_CHUNK):  # chunks: a progress line, bounded batches
+            chunk = candidates[first:first + SELECT_CHUNK]
+            repeated = [p for p in chunk for _ in range(sizes.select_samples)]
+            key = stream_key(seed, SELECT_STREAM, first)  # every chunk its own sampling stream
+            paths = run_paths(repeated, env, backend, feedback, 1, sampling, seed=key)[0]
+            rates.update(pass_rates(paths, ids[first:first + SELECT_CHUNK], sizes.select_samples))
+            print(f"select: {len(rates)}/{len(ids)} problems sampled, {len(choose(rates, sizes.strict))} kept "
+                  f"({time.perf_counter() - start:.0f} s)", file=sys.stderr)
     finally:
         backend.close()
-    rates = pass_rates(paths, ids, sizes.select_samples)
     selection = {
         "selected": choose(rates, sizes.strict), "rates": rates, "strict": sizes.strict, "model": sizes.model,
         "samples": sizes.select_samples, "temperature": g.temperature, "top_p": g.top_p,

@@ -92,7 +92,8 @@ def test_report_gives_mean_and_spread_over_seeds_before_and_after(exp, tmp_path)
 
 
 @pytest.mark.slow
-def test_smoke_pipeline_selects_trains_and_reports(exp, tmp_path):
+def test_smoke_pipeline_selects_trains_and_reports(exp, tmp_path, monkeypatch):
+    monkeypatch.setattr(exp, "SELECT_CHUNK", 1)  # two chunks: the rates of each land on its own problems
     assert exp.main(["all", "--smoke", "--out", str(tmp_path)]) == 0
     selection = json.loads((tmp_path / "selection.json").read_text())
     assert len(selection["rates"]) == 2 and selection["selected"] == list(selection["rates"])
