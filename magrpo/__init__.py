@@ -14,13 +14,15 @@ def _import_checkout_subpackages() -> None:
     names = {f"{__name__}.{name}" for name in ("envs", "external")
              if not (here / name).exists() and (here.parent / name / "__init__.py").is_file()}
 
-    class CheckoutFinder:  # consulted only after the normal search (inside this folder) failed
+    # Answers only for those names (never found inside this folder), and before any other finder:
+    # an editable install of another checkout maps them to that checkout's folders.
+    class CheckoutFinder:
         @staticmethod
         def find_spec(fullname, path=None, target=None):
             return PathFinder.find_spec(fullname, [str(here.parent)]) if fullname in names else None
 
     if names and not any(getattr(f, "__name__", "") == "CheckoutFinder" for f in sys.meta_path):
-        sys.meta_path.append(CheckoutFinder)
+        sys.meta_path.insert(0, CheckoutFinder)
 
 
 _import_checkout_subpackages()

@@ -131,6 +131,14 @@ def test_three_agent_program_runs_and_scores_per_helper(env3):
     assert set(c) == CodeEnv.context_keys
 
 
+
+def test_eval_outcomes_carry_the_definition_levels(env3):
+    """aux_defined and main_defined are eval outcomes (rates of the first two reward levels)."""
+    problem = env3.problems("train")[0]
+    full, missing = env3.outcomes([problem, problem], [[T_AUX, T_AUX2, T_USES], [T_AUX, "x = 1\n", "pass\n"]])
+    assert full["aux_defined"] == 1.0 and full["main_defined"] == 1.0
+    assert missing["aux_defined"] == 0.0 and missing["main_defined"] == 0.0
+
 # --- every feedback mode addresses every agent ------------------------------------------------------
 
 def next_prompts(env, mode, texts, **options):

@@ -172,7 +172,7 @@ class CodeEnv(Environment):
     def score(self, problems: Sequence[Mapping[str, Any]], joint_completions: Sequence[Sequence[str]]) -> list[Scored]:
         """Static levels with `ast`, then every program that parses runs in the sandbox, in parallel.
         Outcomes per joint action: reward, passed (all cases), syntax_ok, aux_used (fraction of the
-        helpers the entry point calls), timeout; the context carries the diagnostics feedback modes
+        helpers the entry point calls), timeout, aux_defined (every helper; 0 with one agent), main_defined; the context carries the diagnostics feedback modes
         show (see `feedback_context`)."""
         analyses = []
         for problem, texts in zip(problems, joint_completions):
@@ -197,6 +197,9 @@ class CodeEnv(Environment):
                 "syntax_ok": float(a.parses),
                 "aux_used": sum(h.used for h in a.helpers) / len(a.helpers) if a.helpers else 0.0,
                 "timeout": float(r is not None and r.timed_out),
+                # the first two reward levels, so eval reports the rate of every level
+                "aux_defined": float(a.aux_defined) if a.helpers else 0.0,
+                "main_defined": float(a.main_defined),
             }
             out.append(
                 Scored(reward, outcomes, self.feedback_context(problems[i], joint_completions[i], a, r, reward, parts))

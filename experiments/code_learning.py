@@ -1,0 +1,405 @@
+"""Issue 17's CPU learning experiment on the code env: does MAGRPO-MT move SmolLM2-135M on HumanEval?
+
+    python experiments/code_learning.py all              # select -> run -> report (hours on a CPU)
+    python experiments/code_learning.py all --smoke      # the same pipeline on the tiny model, seconds
+
+1. `select`: the untrained model samples `--select-samples` paths (2 agents, one turn) on the code
+   env's train split (HumanEval test[:132]) only; the problems whose pass rate lies strictly between
+   0 and 1 are the training set (a group there can have differing rewards: a gradient is possible).
+   Held-out problems (test[132:]) are never sampled here.
+2. `run`: every variant x seed is one `train.py` run (in-process, through magrpo.cli) in its own run
+   dir, evaluated on the held-out problems before the first step and after the last. Baselines get
+   the generation budget of the reference: their batch is scaled so each step samples at least as
+   many completions. The "before" evaluation is the untrained-agents baseline.
+3. `report`: mean and spread over seeds, before/after, per variant: a Markdown table and a plot.
+
+Everything goes through magrpo's own config, env, backend and evaluation code; docs/benchmarks.md
+says how to read the results.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import re
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any, Sequence
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # `python experiments/code_learning.py` from a clean clone: this checkout's magrpo
+    sys.path.insert(0, str(ROOT))
+
+TRAIN_SPLIT, HELD_OUT_SPLIT = "test[:132]", "test[132:]"  # the code env's own defaults
+SELECT_STREAM = 7  # sampling stream of the selection paths (training uses 0, evaluation 1)
+SELECT_CHUNK = 8  # candidates sampled per batch
+
+
+@dataclass(frozen=True)
+class Sizes:
+    model: str
+    candidates: int  # first this many train problems are candidates (0 = all 132)
+    select_samples: int  # sampled paths per candidate
+    steps: int
+    batch_size: int  # problems per step of the reference variant
+    k: int  # trainer.num_generations
+    max_new_tokens: int
+    eval_problems: int  # first this many held-out problems (0 = all 32)
+    eval_samples: int  # sampled eval paths per problem (pass@1 and pass@k); a greedy path always runs
+    seeds: tuple[int, ...]
+    strict: bool = True  # keep only 0 < rate < 1; the smoke run's tiny model passes nothing, so it keeps all
+
+
+FULL = Sizes("smollm2-135m", 0, 8, 20, 2, 4, 128, 16, 4, (0, 1, 2))
+SMOKE = Sizes("tiny", 2, 2, 1, 1, 2, 16, 2, 2, (0,), strict=False)
+
+
+@dataclass(frozen=True)
+class Variant:
+    agents: int
+    turns: int
+    feedback: str
+
+
+VARIANTS = {
+    "level_feedback": Variant(2, 2, "level_feedback"),  # the reference
+    "plain": Variant(2, 2, "plain"),
+    "single_agent": Variant(1, 2, "level_feedback"),
+    "one_turn": Variant(2, 1, "plain"),  # one turn: no feedback is ever shown
+}
+REFERENCE = "level_feedback"
+
+
+# ------------------------------------------------------------------------------------------ select
+
+
+def pass_rates(paths: Sequence[tuple[int, dict]], task_ids: Sequence[str], samples: int) -> dict[str, float]:
+    """Per task id, the share of its `samples` sampled paths that pass; `paths` are (index into the
+    repeated problem list, outcomes), the list repeating each problem `samples` times in a row."""
+    passed = [0] * len(task_ids)
+    for index, outcome in paths:
+        passed[index // samples] += int(outcome["passed"] > 0)
+    return {task_id: passed[i] / samples for i, task_id in enumerate(task_ids)}
+
+
+def choose(rates: dict[str, float], strict: bool = True) -> list[str]:
+    """The task ids to train on, in dataset order: pass rate strictly between 0 and 1 (strict=False: all)."""
+    return [task_id for task_id, rate in rates.items() if not strict or 0.0 < rate < 1.0]
+
+
+def select(sizes: Sizes, out: Path, seed: int = 0) -> dict[str, Any]:
+    """Sample the untrained model on the train candidates; write and return the selection."""
+    from magrpo.backends import make_backend
+    from magrpo.cli import compose
+    from magrpo.evaluation import run_paths
+    from magrpo.generation import SamplingParams
+    from magrpo.models import load_agents
+    from magrpo.sampling import stream_key
+    from magrpo.trainer import prepare
+
+    cfg = compose([f"model={sizes.model}", "env.num_agents=2", "trainer.num_turns=1",
+                   f"env.train_split='{TRAIN_SPLIT}'", f"generation.max_new_tokens={sizes.max_new_tokens}",
+                   "eval.at_end=false"])
+    env, feedback = prepare(cfg)
+    candidates = list(env.problems("train"))[: sizes.candidates or None]
+    ids = [p["task_id"] for p in candidates]
+    g = cfg.generation
+    sampling = SamplingParams(g.max_new_tokens, g.temperature, g.top_p, g.top_k)
+    start = time.perf_counter()
+    backend = make_backend(cfg, load_agents(cfg, env.num_agents))
+    rates: dict[str, float] = {}
+    try:
+        for first in range(0, len(candidates), SELECT_CHUNK):  # chunks: a progress line, bounded batches
+            chunk = candidates[first:first + SELECT_CHUNK]
+            repeated = [p for p in chunk for _ in range(sizes.select_samples)]
+            key = stream_key(seed, SELECT_STREAM, first)  # every chunk its own sampling stream
+            paths = run_paths(repeated, env, backend, feedback, 1, sampling, seed=key)[0]
+            rates.update(pass_rates(paths, ids[first:first + SELECT_CHUNK], sizes.select_samples))
+            print(f"select: {len(rates)}/{len(ids)} problems sampled, {len(choose(rates, sizes.strict))} kept "
+                  f"({time.perf_counter() - start:.0f} s)", file=sys.stderr)
+    finally:
+        backend.close()
+    selection = {
+        "selected": choose(rates, sizes.strict), "rates": rates, "strict": sizes.strict, "model": sizes.model,
+        "samples": sizes.select_samples, "temperature": g.temperature, "top_p": g.top_p,
+        "max_new_tokens": g.max_new_tokens, "split": TRAIN_SPLIT, "seed": seed, **_provenance(start),
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(selection, indent=1) + "\n")
+    print(f"select: {len(selection['selected'])} of {len(ids)} train problems kept -> {out}", file=sys.stderr)
+    return selection
+
+
+def _provenance(start: float) -> dict[str, Any]:
+    return {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "seconds": round(time.perf_counter() - start, 1),
+            "machine": f"{_cpu_name()}, {os.cpu_count()} core(s), {platform.system()} {platform.machine()}"}
+
+
+def _cpu_name() -> str:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        return next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or "unknown CPU"
+
+
+# ------------------------------------------------------------------------------------------ run
+
+
+def write_dataset(selected: Sequence[str], folder: Path) -> tuple[Path, int]:
+    """A .jsonl of the selected train problems followed by every held-out problem; returns (path,
+    number of train records): env.train_split=test[:n] and env.eval_split=test[n:] pick them."""
+    from magrpo.envs.code.problems import load_problems
+
+    train = {r["task_id"]: r for r in load_problems("humaneval", TRAIN_SPLIT)}
+    held_out = load_problems("humaneval", HELD_OUT_SPLIT)
+    unknown = [t for t in selected if t not in train]
+    if unknown or not selected:
+        raise SystemExit(f"selection: {unknown[:3] or 'no problems'} not in the train split {TRAIN_SPLIT}")
+    assert not set(selected) & {r["task_id"] for r in held_out}  # held-out problems never train
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "problems.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in [*(train[t] for t in selected), *held_out]))
+    return path, len(selected)
+
+
+def batch_size(variant: Variant, sizes: Sizes) -> int:
+    """The variant's problems per step: at least the reference's completions per step."""
+    from magrpo.tree import tree_size
+
+    ref = VARIANTS[REFERENCE]
+    target = tree_size("align", sizes.k, ref.agents, ref.turns)[1] * sizes.batch_size
+    return math.ceil(target / tree_size("align", sizes.k, variant.agents, variant.turns)[1])
+
+
+def overrides(name: str, seed: int, sizes: Sizes, dataset: Path, n_train: int, run_dir: Path,
+              eval_every: int = 0) -> list[str]:
+    v = VARIANTS[name]
+    return [
+        f"model={sizes.model}", f"external={v.feedback}", f"env.dataset='{dataset}'",
+        f"env.train_split='test[:{n_train}]'", f"env.eval_split='test[{n_train}:]'", f"env.num_agents={v.agents}",
+        f"trainer.num_turns={v.turns}",
+        f"trainer.num_generations={sizes.k}", f"trainer.batch_size={batch_size(v, sizes)}",
+        f"trainer.steps={sizes.steps}",
+        f"trainer.seed={seed}", f"generation.max_new_tokens={sizes.max_new_tokens}", "eval.at_start=true",
+        "eval.at_end=true", f"eval.every={eval_every}", f"eval.max_problems={sizes.eval_problems}",
+        f"eval.num_samples={sizes.eval_samples}", f"logging.run_dir='{run_dir}'", "logging.wandb.mode=disabled",
+        "logging.samples_every=0", "resume=auto", "checkpoint.every=5",  # a killed run loses at most 5 steps
+    ]
+
+
+def finished(run_dir: Path, steps: int) -> bool:
+    """The run dir holds the evaluation after the last step (an interrupted run resumes instead)."""
+    from magrpo.report import ReportError, load_metrics
+
+    try:
+        return any(r["step"] == steps and "perf/eval_s" in r for r in load_metrics(run_dir))
+    except ReportError:
+        return False
+
+
+def run(sizes: Sizes, selection: Path, out: Path, variants: Sequence[str], eval_every: int = 0) -> list[Path]:
+    """One training run per variant and seed, each in out/runs/<variant>/seed<seed>; finished runs are kept."""
+    from magrpo.cli import main as train_main
+    from magrpo.tree import tree_size
+
+    dataset, n_train = write_dataset(json.loads(selection.read_text())["selected"], out / "data")
+    dirs = []
+    for name in variants:
+        v = VARIANTS[name]
+        for seed in sizes.seeds:
+            run_dir = out / "runs" / name / f"seed{seed}"
+            dirs.append(run_dir)
+            if finished(run_dir, sizes.steps):
+                print(f"run: {name} seed {seed} already finished in {run_dir}", file=sys.stderr)
+                continue
+            start = time.perf_counter()
+            code = train_main(overrides(name, seed, sizes, dataset, n_train, run_dir, eval_every))
+            if code:
+                raise SystemExit(f"run: {name} seed {seed} failed (exit {code}); see {run_dir}")
+            per_step = tree_size("align", sizes.k, v.agents, v.turns)[1] * batch_size(v, sizes)
+            info = {"variant": name, "seed": seed, **asdict(v), "completions_per_step": per_step,
+                    "train_problems": n_train, "sizes": asdict(sizes), **_provenance(start)}
+            (run_dir / "experiment.json").write_text(json.dumps(info, indent=1) + "\n")
+    return dirs
+
+
+# ------------------------------------------------------------------------------------------ report
+
+# (label, metric key suffix under eval/turn_{t}/) in table order; rows whose key no run logged are left out
+LEVELS = [("reward (greedy)", "greedy_reward_mean"), ("aux defined", "greedy_aux_defined_mean"),
+          ("main defined", "greedy_main_defined_mean"), ("syntax ok", "greedy_syntax_ok_mean"),
+          ("tests passed = pass@1 greedy", "pass@1_greedy"), ("aux used", "greedy_aux_used_mean"),
+          ("reward (sampled)", "reward_mean"), ("pass@1 sampled", "pass@1")]
+
+
+def before_after(records: list[dict]) -> tuple[dict, dict]:
+    """The evaluation before the first step (step 0) and the last one after it."""
+    evals = [r for r in records if "perf/eval_s" in r]
+    before = next((r for r in evals if r["step"] == 0), {})
+    later = [r for r in evals if r["step"] > 0]
+    return before, (later[-1] if later else {})
+
+
+def mean_sd(values: Sequence[float]) -> str:
+    """`mean ± sd` over seeds (sample sd; one seed: the mean alone)."""
+    if not values:
+        return "–"
+    m = sum(values) / len(values)
+    if len(values) == 1:
+        return f"{m:.3f}"
+    sd = math.sqrt(sum((x - m) ** 2 for x in values) / (len(values) - 1))
+    return f"{m:.3f} ± {sd:.3f}"
+
+
+def load_runs(out: Path) -> dict[str, dict[int, tuple[list[dict], dict]]]:
+    """variant -> seed -> (metrics records, experiment.json) of every finished run under out/runs."""
+    from magrpo.report import load_metrics
+
+    runs: dict[str, dict[int, tuple[list[dict], dict]]] = {}
+    for info_path in sorted((out / "runs").glob("*/seed*/experiment.json")):
+        info = json.loads(info_path.read_text())
+        runs.setdefault(info["variant"], {})[info["seed"]] = (load_metrics(info_path.parent), info)
+    order = [*VARIANTS, *sorted(set(runs) - set(VARIANTS))]  # the reference first
+    return {name: dict(sorted(runs[name].items())) for name in order if name in runs}
+
+
+def table(runs: dict[str, dict[int, tuple[list[dict], dict]]]) -> str:
+    """Markdown: one overview table, then per variant the held-out metrics per turn before and after."""
+    lines = ["| variant | agents | turns | feedback | seeds | completions/step | minutes per run |",
+             "|---|---|---|---|---|---|---|"]
+    for name, seeds in runs.items():
+        info = next(iter(seeds.values()))[1]
+        minutes = mean_sd([i["seconds"] / 60 for _, i in seeds.values()])
+        lines.append(f"| {name} | {info['agents']} | {info['turns']} | {info['feedback']} | "
+                     f"{', '.join(map(str, sorted(seeds)))} | {info['completions_per_step']} | {minutes} |")
+    for name, seeds in runs.items():
+        pairs = [before_after(records) for records, _ in seeds.values()]
+        lines += ["", f"**{name}** (held-out, mean ± sd over {len(pairs)} seed(s); turns 1-based)", "",
+                  "| metric | turn | before | after | change |", "|---|---|---|---|---|"]
+        turns = sorted({t for b, _ in pairs for t in map(_turn, b) if t is not None})
+        single = next(iter(seeds.values()))[1]["agents"] == 1  # no helper: the aux rates mean nothing
+        for t in turns:
+            for label, suffix in [*LEVELS, (f"pass@{_k(pairs)} sampled", f"pass@{_k(pairs)}")]:
+                if single and label.startswith("aux"):
+                    continue
+                key = f"eval/turn_{t}/{suffix}"
+                both = [(b[key], a[key]) for b, a in pairs if key in b and key in a]
+                if both:
+                    lines.append(f"| {label} | {t + 1} | {mean_sd([x for x, _ in both])} | "
+                                 f"{mean_sd([y for _, y in both])} | {mean_sd([y - x for x, y in both])} |")
+        for key, label in [("eval/improvement/pass@1_greedy", "turn-1 -> last-turn gain, pass@1 greedy"),
+                           ("eval/improvement/pass@1", "turn-1 -> last-turn gain, pass@1 sampled")]:
+            both = [(b[key], a[key]) for b, a in pairs if key in b and key in a]
+            if both and len(turns) > 1:
+                lines.append(f"| {label} | – | {mean_sd([x for x, _ in both])} | {mean_sd([y for _, y in both])} | "
+                             f"{mean_sd([y - x for x, y in both])} |")
+    return "\n".join(lines) + "\n"
+
+
+def _turn(key: str) -> int | None:
+    """t of an `eval/turn_{t}/...` key (0-based), else None."""
+    m = re.match(r"eval/turn_(\d+)/", key)
+    return int(m.group(1)) if m else None
+
+
+def _k(pairs: list[tuple[dict, dict]]) -> str:
+    """The k of pass@k (eval.num_samples) when above 1, else a key that matches nothing."""
+    ks = {k.rsplit("@", 1)[1] for b, _ in pairs for k in b if "/pass@" in k and k[-1].isdigit()} - {"1"}
+    return ks.pop() if ks else "none"
+
+
+def plot(runs: dict[str, dict[int, tuple[list[dict], dict]]], path: Path) -> Path:
+    """Per variant, mean over seeds with the min-max band: the training reward (turn 1) per step, and
+    on the held-out problems the greedy reward and pass@1 at the last turn per evaluation step (step 0:
+    before training; more points with --eval-every)."""
+    from matplotlib.figure import Figure  # no pyplot: no global state
+
+    fig = Figure(figsize=(15, 4), dpi=120)
+    axes = fig.subplots(1, 3)
+    panels = [("training reward, turn 1", "reward", lambda r, last: "train/turn_0/reward_mean"),
+              ("held-out greedy reward, last turn", "reward", lambda r, last: f"eval/turn_{last}/greedy_reward_mean"),
+              ("held-out pass@1 greedy, last turn", "pass@1", lambda r, last: f"eval/turn_{last}/pass@1_greedy")]
+    for name, seeds in runs.items():
+        last = next(iter(seeds.values()))[1]["turns"] - 1
+        for ax, (_, _, key_of) in zip(axes, panels):
+            curves = [{r["step"]: r[key_of(r, last)] for r in records if key_of(r, last) in r}
+                      for records, _ in seeds.values()]
+            steps = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
+            if steps:
+                values = [[c[s] for c in curves] for s in steps]
+                ax.plot(steps, [sum(v) / len(v) for v in values], marker="o", label=name)
+                ax.fill_between(steps, [min(v) for v in values], [max(v) for v in values], alpha=0.2)
+    for ax, (title, ylabel, _) in zip(axes, panels):
+        ax.set(title=title, xlabel="step", ylabel=ylabel)
+        ax.legend(fontsize=8)
+    fig.suptitle("mean over seeds; band: min-max", fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    return path
+
+
+def report(out: Path, doc: Path, image: Path) -> str:
+    """Write the Markdown results (table, selection, provenance) to `doc` and the plot to `image`."""
+    runs = load_runs(out)
+    if not runs:
+        raise SystemExit(f"report: no finished runs under {out / 'runs'} (run `run` first)")
+    selection = json.loads((out / "selection.json").read_text()) if (out / "selection.json").is_file() else {}
+    plot(runs, image)
+    dates = sorted(i["date"] for seeds in runs.values() for _, i in seeds.values())
+    machines = sorted({i["machine"] for seeds in runs.values() for _, i in seeds.values()})
+    head = [f"Runs {dates[0]} to {dates[-1]} on {'; '.join(machines)}.",
+            f"Training problems: {len(selection.get('selected', []))} of {len(selection.get('rates', {}))} "
+            f"candidates (selection {selection.get('date', '?')}, {selection.get('seconds', '?')} s, "
+            f"{selection.get('samples', '?')} samples each); held-out: HumanEval {HELD_OUT_SPLIT}.",
+            f"Sizes: {json.dumps(next(iter(next(iter(runs.values())).values()))[1].get('sizes', 'not recorded'))}.",
+            "", f"![results]({os.path.relpath(image, doc.parent)})", ""]
+    text = "\n".join(head) + "\n" + table(runs)
+    doc.parent.mkdir(parents=True, exist_ok=True)
+    doc.write_text(text)
+    return text
+
+
+# ------------------------------------------------------------------------------------------ CLI
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("command", choices=["select", "run", "report", "all"])
+    parser.add_argument("--smoke", action="store_true", help="tiny model, 2 problems, 1 step, 1 seed (the CI test)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="output folder (default experiments/out/code_learning, or ..._smoke)")
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    parser.add_argument("--seeds", nargs="+", type=int, default=None, help="default: 0 1 2 (smoke: 0)")
+    parser.add_argument("--steps", type=int, default=None, help=f"training steps (default {FULL.steps})")
+    parser.add_argument("--candidates", type=int, default=None, help="first N train problems to select from (0 = all)")
+    parser.add_argument("--eval-every", type=int, default=0, help="also evaluate every N steps (0 = before and after)")
+    parser.add_argument("--doc", type=Path, default=None, help="results Markdown (default OUT/results.md)")
+    parser.add_argument("--image", type=Path, default=None, help="plot PNG (default OUT/results.png)")
+    args = parser.parse_args(argv)
+    sizes = SMOKE if args.smoke else FULL
+    for field, value in (("seeds", tuple(args.seeds) if args.seeds else None), ("steps", args.steps),
+                         ("candidates", args.candidates)):
+        if value is not None:
+            sizes = replace(sizes, **{field: value})
+    out = args.out or ROOT / "experiments" / "out" / ("code_learning_smoke" if args.smoke else "code_learning")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # HumanEval: the copy shipped with magrpo, never the hub
+    from magrpo import envs, external  # noqa: F401  (fills the env and feedback registries)
+
+    if args.command in ("select", "all"):
+        select(sizes, out / "selection.json")
+    if args.command in ("run", "all"):
+        run(sizes, out / "selection.json", out, args.variants, args.eval_every)
+    if args.command in ("report", "all"):
+        print(report(out, args.doc or out / "results.md", args.image or out / "results.png"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,107 @@
+"""experiments/code_learning.py (issue 17's CPU learning experiment) does not rot: the problem
+selection, the budget matching, the data split and the report on hand-made run dirs (seconds), and
+the whole select -> run -> report pipeline on the tiny model (--smoke, slow)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+
+
+@pytest.fixture(scope="module")
+def exp():
+    spec = importlib.util.spec_from_file_location("code_learning", ROOT / "experiments" / "code_learning.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop(spec.name, None)
+
+
+def test_selection_keeps_problems_the_model_sometimes_solves(exp):
+    # 3 problems x 4 samples, in the order run_paths returns them (index into the repeated list)
+    passed = {0: 0, 1: 0, 2: 0, 3: 0, 4: 1, 5: 0, 6: 1, 7: 0, 8: 1, 9: 1, 10: 1, 11: 1}
+    paths = [(i, {"passed": float(p), "reward": 0.0}) for i, p in passed.items()]
+    rates = exp.pass_rates(paths, ["A", "B", "C"], samples=4)
+    assert rates == {"A": 0.0, "B": 0.5, "C": 1.0}
+    assert exp.choose(rates) == ["B"]  # never solved or always solved: no gradient possible
+    assert exp.choose(rates, strict=False) == ["A", "B", "C"]
+
+
+def test_baselines_get_at_least_the_reference_generation_budget(exp):
+    from magrpo.tree import tree_size
+
+    sizes = exp.FULL
+    ref = tree_size("align", sizes.k, 2, 2)[1] * sizes.batch_size  # 2 agents, T=2: 40 per tree at K=4
+    for name, v in exp.VARIANTS.items():
+        per_step = tree_size("align", sizes.k, v.agents, v.turns)[1] * exp.batch_size(v, sizes)
+        assert ref <= per_step < ref + tree_size("align", sizes.k, v.agents, v.turns)[1], name
+    assert exp.batch_size(exp.VARIANTS["one_turn"], sizes) == 5 * sizes.batch_size
+    assert exp.batch_size(exp.VARIANTS["single_agent"], sizes) == 2 * sizes.batch_size
+
+
+def test_dataset_holds_the_selected_train_problems_then_every_held_out_one(exp, tmp_path):
+    path, n = exp.write_dataset(["HumanEval/3", "HumanEval/0"], tmp_path)
+    ids = [json.loads(line)["task_id"] for line in path.read_text().splitlines()]
+    assert n == 2 and ids[:2] == ["HumanEval/3", "HumanEval/0"]
+    assert ids[2:] == [f"HumanEval/{i}" for i in range(132, 164)]
+    with pytest.raises(SystemExit, match="HumanEval/140"):  # a held-out problem can never be selected
+        exp.write_dataset(["HumanEval/140"], tmp_path)
+    overrides = exp.overrides("level_feedback", 0, exp.FULL, path, n, tmp_path / "run")
+    assert "env.train_split='test[:2]'" in overrides and "env.eval_split='test[2:]'" in overrides
+
+
+def fake_run(root, variant, seed, agents, before, after, rewards):
+    """A finished run dir: eval at step 0 and after the last step, a training reward per step."""
+    run_dir = root / "runs" / variant / f"seed{seed}"
+    run_dir.mkdir(parents=True)
+    def evaluation(step, p):
+        return {"step": step, "perf/eval_s": 1.0, "eval/turn_0/greedy_reward_mean": p,
+                "eval/turn_0/pass@1_greedy": p, "eval/turn_0/greedy_aux_defined_mean": 1.0,
+                "eval/turn_1/pass@1_greedy": p + 0.1, "eval/improvement/pass@1_greedy": 0.1,
+                "eval/turn_0/pass@4": p, "eval/turn_1/pass@4": p}
+    records = [evaluation(0, before)]
+    records += [{"step": s, "train/turn_0/reward_mean": r} for s, r in enumerate(rewards, start=1)]
+    records[-1].update(evaluation(len(rewards), after))
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    info = {"variant": variant, "seed": seed, "agents": agents, "turns": 2, "feedback": "level_feedback",
+            "completions_per_step": 40, "seconds": 600.0, "date": "2026-01-01 00:00 UTC", "machine": "test box"}
+    (run_dir / "experiment.json").write_text(json.dumps(info))
+
+
+def test_report_gives_mean_and_spread_over_seeds_before_and_after(exp, tmp_path):
+    fake_run(tmp_path, "level_feedback", 0, 2, before=0.2, after=0.4, rewards=[1.0, 2.0])
+    fake_run(tmp_path, "level_feedback", 1, 2, before=0.4, after=0.4, rewards=[1.0, 3.0])
+    fake_run(tmp_path, "single_agent", 0, 1, before=0.1, after=0.2, rewards=[0.5, 0.5])
+    doc, image = tmp_path / "docs" / "results.md", tmp_path / "docs" / "img" / "results.png"
+    text = exp.report(tmp_path, doc, image)
+    assert doc.read_text() == text and image.stat().st_size > 0
+    assert "| level_feedback | 2 | 2 | level_feedback | 0, 1 | 40 | 10.000 ± 0.000 |" in text
+    # pass@1 greedy turn 1: before (0.2, 0.4), after (0.4, 0.4), change (0.2, 0.0); sample sd
+    assert "| tests passed = pass@1 greedy | 1 | 0.300 ± 0.141 | 0.400 ± 0.000 | 0.100 ± 0.141 |" in text
+    assert "| pass@4 sampled | 2 | 0.300 ± 0.141 |" in text
+    assert "| turn-1 -> last-turn gain, pass@1 greedy | – |" in text
+    single = text.split("**single_agent**")[1]
+    assert "| tests passed = pass@1 greedy | 1 | 0.100 | 0.200 | 0.100 |" in single  # one seed: no spread
+    assert "aux defined" not in single  # one agent writes no helper
+    assert "2026-01-01 00:00 UTC" in text and "test box" in text and "](img/results.png)" in text
+
+
+@pytest.mark.slow
+def test_smoke_pipeline_selects_trains_and_reports(exp, tmp_path, monkeypatch):
+    monkeypatch.setattr(exp, "SELECT_CHUNK", 1)  # two chunks: the rates of each land on its own problems
+    assert exp.main(["all", "--smoke", "--out", str(tmp_path)]) == 0
+    selection = json.loads((tmp_path / "selection.json").read_text())
+    assert len(selection["rates"]) == 2 and selection["selected"] == list(selection["rates"])
+    assert all(not tid.endswith(tuple(f"/{i}" for i in range(132, 164))) for tid in selection["rates"])
+    text = (tmp_path / "results.md").read_text()
+    for name in exp.VARIANTS:
+        assert f"**{name}**" in text
+        assert (tmp_path / "runs" / name / "seed0" / "adapters").is_dir()
+    assert "| main defined | 1 |" in text and (tmp_path / "results.png").stat().st_size > 0
+    # a second call finds every run finished and only rewrites the report
+    assert exp.main(["run", "--smoke", "--out", str(tmp_path)]) == 0
