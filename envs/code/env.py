@@ -172,8 +172,8 @@ class CodeEnv(Environment):
     def score(self, problems: Sequence[Mapping[str, Any]], joint_completions: Sequence[Sequence[str]]) -> list[Scored]:
         """Static levels with `ast`, then every program that parses runs in the sandbox, in parallel.
         Outcomes per joint action: reward, passed (all cases), syntax_ok, aux_used (fraction of the
-        helpers the entry point calls), timeout, aux_defined (every helper; 0 with one agent), main_defined; the context carries the diagnostics feedback modes
-        show (see `feedback_context`)."""
+        helpers the entry point calls), timeout, aux_defined (every helper; 0 with one agent),
+        main_defined; the context carries the diagnostics feedback modes show (see `feedback_context`)."""
         analyses = []
         for problem, texts in zip(problems, joint_completions):
             context = self._parsed[problem["task_id"]][2]
