@@ -98,7 +98,8 @@ def run_magrpo(mode: str, prompts: int, batch_size: int, turns: int, seed: int, 
     with tempfile.TemporaryDirectory(prefix="magrpo-bench-") as tmp:
         run_dir = Path(tmp) / "run"
         cfg = compose([
-            "model.name=tiny",
+            "env=length_ratio",
+            "model=tiny",
             "env.num_agents=2",
             f"env.train_size={prompts}",
             "external.mode=length_ratio",
