@@ -128,7 +128,7 @@ def test_a_second_signal_is_one_line_exit_130(run_main, monkeypatch):
     import magrpo.trainer
 
     def interrupted(cfg, prepared):
-        raise KeyboardInterrupt  # what _StopSignals raises on a second signal
+        raise KeyboardInterrupt  # what console.StopSignals raises on a second signal
 
     monkeypatch.setattr(magrpo.trainer, "train", interrupted)
     try:
