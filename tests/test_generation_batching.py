@@ -129,3 +129,27 @@ def test_training_scores_tokens_under_the_sampling_temperature(make_cfg):
     metrics = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
     for agent in (0, 1):
         assert metrics[f"train/agent_{agent}/logp_mismatch"] < 1e-4, metrics[f"train/agent_{agent}/logp_mismatch"]
+
+
+@pytest.mark.parametrize("grouped", [True, False])
+def test_row_adapters_compute_what_peft_mixed_batching_does(agents, grouped):
+    """Rows grouped by agent (what the backend decodes): bit for bit; interleaved: to rounding (peft
+    gathers an agent's rows into one matrix, RowAdapters multiplies each run of rows on its own)."""
+    from magrpo.hf_backend import RowAdapters
+
+    model = agents[0].model.eval()
+    rows = ["agent_0"] * 3 + ["agent_1"] * 2 if grouped else ["agent_1", "agent_0", "agent_1", "agent_0"]
+    ids = torch.randint(3, 200, (len(rows), 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = model(input_ids=ids, adapter_names=rows).logits
+        with RowAdapters(model).active() as routing:
+            got = model(input_ids=ids, **routing.rows(rows)).logits
+        after = model(input_ids=ids, adapter_names=rows).logits
+        one_adapter = model(input_ids=ids, adapter_names=["agent_0"] * len(rows)).logits
+    assert routing.layers, "the tiny model's LoRA layers take the fast path"
+    assert not torch.allclose(one_adapter, want)  # the routing matters
+    if grouped:
+        assert torch.equal(got, want)
+    else:
+        torch.testing.assert_close(got, want)
+    assert torch.equal(after, want)  # hooks removed, adapters enabled again

@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
-from magrpo.sampling import hash32, sample, sampling_logprobs, stream_key, stream_uniforms
+from magrpo.sampling import hash32, sample, sampling_logprobs, stream_key, stream_uniforms, top_p_keep
 
 
 def test_temperature_scales_logits_before_softmax():
@@ -97,3 +98,29 @@ def test_tail_tokens_of_a_large_vocabulary_keep_their_share():
     for j in (1, 500, 50_000, tail):
         u = ((cdf[j - 1] + cdf[j]) / 2 / cdf[-1]).reshape(1)
         assert sample(logprobs, u).item() == j
+
+
+def full_sort_top_p_keep(scores: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Nucleus filtering by a sort of the whole vocabulary (the definition top_p_keep must match)."""
+    probs = scores.softmax(-1)
+    sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+    keep_sorted = (sorted_probs.cumsum(-1) - sorted_probs) < top_p
+    return torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+
+
+@pytest.mark.parametrize("spread", [0.1, 1.0, 4.0, 12.0])  # near-flat rows need the ranked set widened
+@pytest.mark.parametrize("top_p", [0.1, 0.5, 0.9, 0.999])
+def test_top_p_on_the_top_candidates_keeps_what_a_full_sort_keeps(spread, top_p):
+    g = torch.Generator().manual_seed(int(spread * 1000 + top_p * 10))
+    scores = torch.randn(16, 5000, generator=g) * spread
+    scores[3, 100:] = float("-inf")  # a row already cut by top-k
+    got = top_p_keep(scores, top_p)
+    assert torch.equal(got, full_sort_top_p_keep(scores, top_p))
+    assert got.any(-1).all()  # the top token always stays
+
+
+def test_top_p_widens_until_the_ranked_tokens_hold_p():
+    scores = torch.zeros(2, 1000)  # flat: 900 of 1000 tokens are needed to reach 0.9
+    scores[1, 0] = 20.0  # one dominant token: the first 64 ranked suffice
+    kept = top_p_keep(scores, 0.9, first_k=4)
+    assert kept[0].sum() == 900 and kept[1].sum() == 1
