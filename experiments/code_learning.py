@@ -3,12 +3,15 @@
     python experiments/code_learning.py all              # select -> run -> report (hours on a CPU)
     python experiments/code_learning.py all --smoke      # the same pipeline on the tiny model, seconds
 
-1. `select`: the untrained model samples `--select-samples` paths (2 agents, one turn) on the code
-   env's train split (HumanEval test[:132]) only; the problems whose pass rate lies strictly between
-   0 and 1 are the training set (a group there can have differing rewards: a gradient is possible).
-   Held-out problems (test[132:]) are never sampled here.
+1. `select`: the untrained model samples `select_samples` paths (2 agents, one turn) on the first
+   `candidates` problems of the code env's train split (HumanEval test[:132]) only; the problems whose
+   sampled rewards differ are the training set (a GRPO group there can have differing rewards: a
+   gradient is possible). Pass rates are recorded too: strictly between 0 and 1 would be the stricter
+   rule, but SmolLM2-135M passes almost nothing, so almost no problem would be left. Held-out
+   problems (test[132:]) are never sampled here.
 2. `run`: every variant x seed is one `train.py` run (in-process, through magrpo.cli) in its own run
-   dir, evaluated on the held-out problems before the first step and after the last. Baselines get
+   dir (seed by seed, so an interrupted experiment has whole seeds), evaluated on the held-out
+   problems before the first step and after the last. Baselines get
    the generation budget of the reference: their batch is scaled so each step samples at least as
    many completions. The "before" evaluation is the untrained-agents baseline.
 3. `report`: mean and spread over seeds, before/after, per variant: a Markdown table and a plot.
@@ -51,11 +54,15 @@ class Sizes:
     eval_problems: int  # first this many held-out problems (0 = all 32)
     eval_samples: int  # sampled eval paths per problem (pass@1 and pass@k); a greedy path always runs
     seeds: tuple[int, ...]
-    strict: bool = True  # keep only 0 < rate < 1; the smoke run's tiny model passes nothing, so it keeps all
+    lr: float
+    strict: bool = True  # keep only problems whose sampled rewards differ; the smoke run keeps all
 
 
-FULL = Sizes("smollm2-135m", 0, 8, 20, 2, 4, 128, 16, 4, (0, 1, 2))
-SMOKE = Sizes("tiny", 2, 2, 1, 1, 2, 16, 2, 2, (0,), strict=False)
+# Sized to run in about 2 hours on 2 CPU cores (a step of the reference variant, 40 completions of
+# up to 96 tokens, takes ~75 s there): 12 runs of 5 steps. The learning rate is 3x the model
+# default so that 5 steps can move anything; docs/code_learning_results.md says what this scale can show.
+FULL = Sizes("smollm2-135m", 24, 4, 5, 1, 4, 96, 8, 1, (0, 1, 2), 3e-4)
+SMOKE = Sizes("tiny", 2, 2, 1, 1, 2, 16, 2, 2, (0,), 1e-4, strict=False)
 
 
 @dataclass(frozen=True)
@@ -86,9 +93,17 @@ def pass_rates(paths: Sequence[tuple[int, dict]], task_ids: Sequence[str], sampl
     return {task_id: passed[i] / samples for i, task_id in enumerate(task_ids)}
 
 
-def choose(rates: dict[str, float], strict: bool = True) -> list[str]:
-    """The task ids to train on, in dataset order: pass rate strictly between 0 and 1 (strict=False: all)."""
-    return [task_id for task_id, rate in rates.items() if not strict or 0.0 < rate < 1.0]
+def reward_sets(paths: Sequence[tuple[int, dict]], task_ids: Sequence[str], samples: int) -> dict[str, list[float]]:
+    """Per task id, the sorted rewards of its `samples` sampled paths (same layout as pass_rates)."""
+    rewards: list[list[float]] = [[] for _ in task_ids]
+    for index, outcome in paths:
+        rewards[index // samples].append(round(float(outcome["reward"]), 6))
+    return {task_id: sorted(rewards[i]) for i, task_id in enumerate(task_ids)}
+
+
+def choose(rewards: dict[str, list[float]], strict: bool = True) -> list[str]:
+    """The task ids to train on, in dataset order: sampled rewards not all equal (strict=False: all)."""
+    return [task_id for task_id, values in rewards.items() if not strict or len(set(values)) > 1]
 
 
 def select(sizes: Sizes, out: Path, seed: int = 0) -> dict[str, Any]:
@@ -112,6 +127,7 @@ def select(sizes: Sizes, out: Path, seed: int = 0) -> dict[str, Any]:
     start = time.perf_counter()
     backend = make_backend(cfg, load_agents(cfg, env.num_agents))
     rates: dict[str, float] = {}
+    rewards: dict[str, list[float]] = {}
     try:
         for first in range(0, len(candidates), SELECT_CHUNK):  # chunks: a progress line, bounded batches
             chunk = candidates[first:first + SELECT_CHUNK]
@@ -119,12 +135,14 @@ def select(sizes: Sizes, out: Path, seed: int = 0) -> dict[str, Any]:
             key = stream_key(seed, SELECT_STREAM, first)  # every chunk its own sampling stream
             paths = run_paths(repeated, env, backend, feedback, 1, sampling, seed=key)[0]
             rates.update(pass_rates(paths, ids[first:first + SELECT_CHUNK], sizes.select_samples))
-            print(f"select: {len(rates)}/{len(ids)} problems sampled, {len(choose(rates, sizes.strict))} kept "
+            rewards.update(reward_sets(paths, ids[first:first + SELECT_CHUNK], sizes.select_samples))
+            print(f"select: {len(rates)}/{len(ids)} problems sampled, {len(choose(rewards, sizes.strict))} kept "
                   f"({time.perf_counter() - start:.0f} s)", file=sys.stderr)
     finally:
         backend.close()
     selection = {
-        "selected": choose(rates, sizes.strict), "rates": rates, "strict": sizes.strict, "model": sizes.model,
+        "selected": choose(rewards, sizes.strict), "rates": rates, "rewards": rewards, "strict": sizes.strict,
+        "model": sizes.model,
         "samples": sizes.select_samples, "temperature": g.temperature, "top_p": g.top_p,
         "max_new_tokens": g.max_new_tokens, "split": TRAIN_SPLIT, "seed": seed, **_provenance(start),
     }
@@ -185,7 +203,7 @@ def overrides(name: str, seed: int, sizes: Sizes, dataset: Path, n_train: int, r
         f"env.train_split='test[:{n_train}]'", f"env.eval_split='test[{n_train}:]'", f"env.num_agents={v.agents}",
         f"trainer.num_turns={v.turns}",
         f"trainer.num_generations={sizes.k}", f"trainer.batch_size={batch_size(v, sizes)}",
-        f"trainer.steps={sizes.steps}",
+        f"trainer.steps={sizes.steps}", f"trainer.lr={sizes.lr}",
         f"trainer.seed={seed}", f"generation.max_new_tokens={sizes.max_new_tokens}", "eval.at_start=true",
         "eval.at_end=true", f"eval.every={eval_every}", f"eval.max_problems={sizes.eval_problems}",
         f"eval.num_samples={sizes.eval_samples}", f"logging.run_dir='{run_dir}'", "logging.wandb.mode=disabled",
@@ -210,9 +228,9 @@ def run(sizes: Sizes, selection: Path, out: Path, variants: Sequence[str], eval_
 
     dataset, n_train = write_dataset(json.loads(selection.read_text())["selected"], out / "data")
     dirs = []
-    for name in variants:
-        v = VARIANTS[name]
-        for seed in sizes.seeds:
+    for seed in sizes.seeds:
+        for name in variants:
+            v = VARIANTS[name]
             run_dir = out / "runs" / name / f"seed{seed}"
             dirs.append(run_dir)
             if finished(run_dir, sizes.steps):
@@ -356,14 +374,20 @@ def report(out: Path, doc: Path, image: Path) -> str:
     machines = sorted({i["machine"] for seeds in runs.values() for _, i in seeds.values()})
     head = [f"Runs {dates[0]} to {dates[-1]} on {'; '.join(machines)}.",
             f"Training problems: {len(selection.get('selected', []))} of {len(selection.get('rates', {}))} "
-            f"candidates (selection {selection.get('date', '?')}, {selection.get('seconds', '?')} s, "
-            f"{selection.get('samples', '?')} samples each); held-out: HumanEval {HELD_OUT_SPLIT}.",
+            f"candidates, those whose sampled rewards differ ({_strictly_between(selection)} of them with a "
+            f"pass rate strictly between 0 and 1; selection {selection.get('date', '?')}, "
+            f"{selection.get('seconds', '?')} s, {selection.get('samples', '?')} samples each); "
+            f"held-out: HumanEval {HELD_OUT_SPLIT}.",
             f"Sizes: {json.dumps(next(iter(next(iter(runs.values())).values()))[1].get('sizes', 'not recorded'))}.",
             "", f"![results]({os.path.relpath(image, doc.parent)})", ""]
     text = "\n".join(head) + "\n" + table(runs)
     doc.parent.mkdir(parents=True, exist_ok=True)
     doc.write_text(text)
     return text
+
+
+def _strictly_between(selection: dict) -> int:
+    return sum(0.0 < selection.get("rates", {}).get(t, 0.0) < 1.0 for t in selection.get("selected", []))
 
 
 # ------------------------------------------------------------------------------------------ CLI

@@ -22,14 +22,18 @@ def exp():
     sys.modules.pop(spec.name, None)
 
 
-def test_selection_keeps_problems_the_model_sometimes_solves(exp):
+def test_selection_keeps_problems_whose_sampled_rewards_differ(exp):
     # 3 problems x 4 samples, in the order run_paths returns them (index into the repeated list)
     passed = {0: 0, 1: 0, 2: 0, 3: 0, 4: 1, 5: 0, 6: 1, 7: 0, 8: 1, 9: 1, 10: 1, 11: 1}
-    paths = [(i, {"passed": float(p), "reward": 0.0}) for i, p in passed.items()]
-    rates = exp.pass_rates(paths, ["A", "B", "C"], samples=4)
-    assert rates == {"A": 0.0, "B": 0.5, "C": 1.0}
-    assert exp.choose(rates) == ["B"]  # never solved or always solved: no gradient possible
-    assert exp.choose(rates, strict=False) == ["A", "B", "C"]
+    reward = {0: 1.0, 1: 1.0, 2: 1.0, 3: 1.0, 4: 4.0, 5: 1.5, 6: 4.0, 7: 0.5, 8: 4.0, 9: 4.0, 10: 4.0, 11: 4.0}
+    paths = [(i, {"passed": float(p), "reward": reward[i]}) for i, p in passed.items()]
+    assert exp.pass_rates(paths, ["A", "B", "C"], samples=4) == {"A": 0.0, "B": 0.5, "C": 1.0}
+    rewards = exp.reward_sets(paths, ["A", "B", "C"], samples=4)
+    assert rewards == {"A": [1.0] * 4, "B": [0.5, 1.5, 4.0, 4.0], "C": [4.0] * 4}
+    assert exp.choose(rewards) == ["B"]  # equal rewards in every sample: a GRPO group has no gradient
+    assert exp.choose(rewards, strict=False) == ["A", "B", "C"]
+    rewards["A"][0] = 0.0  # never passed, yet its rewards differ: a gradient is possible
+    assert exp.choose(rewards) == ["A", "B"]
 
 
 def test_baselines_get_at_least_the_reference_generation_budget(exp):
