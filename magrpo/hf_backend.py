@@ -122,6 +122,7 @@ def decode(
     stream_keys: torch.Tensor,
     pad_id: int,
     eos_ids: list[int],
+    drop_finished: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Sample completions for rows `expand` (an index into `prompts`, repeated for n samples).
 
@@ -130,17 +131,23 @@ def decode(
     row through its own agent's adapter (fastest with rows grouped by adapter). Row r draws token t
     with uniform number t of stream stream_keys[r] (magrpo.sampling), whatever the other rows.
     Returns (rows, steps) new token ids (pad after EOS) and, when asked, their sampling log-probs.
+    Rows that finished leave the batch once a quarter of it has (`drop_finished`): the other rows
+    keep their random streams, so their tokens stay the same (their logits may move by float
+    rounding, ~1e-6, where a smaller batch's matrix products sum in another order).
     """
     device = next(model.parameters()).device
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)
     attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
-    expand = expand.to(device)
+    expand, stream_keys = expand.to(device), stream_keys.to(device)
     row_adapters = [adapters[i] for i in expand.tolist()]
     model.eval()
     eos = torch.tensor(eos_ids, device=device)
-    finished = torch.zeros(len(expand), dtype=torch.bool, device=device)
-    tokens, token_logprobs = [], []
+    steps = params.max_new_tokens
+    new = torch.full((len(expand), steps), pad_id, dtype=torch.long, device=device)
+    new_logprobs = torch.zeros(len(expand), steps, device=device) if params.logprobs else None
+    alive = torch.arange(len(expand), device=device)  # the rows still in the batch, in row order
+    finished = torch.zeros(len(expand), dtype=torch.bool, device=device)  # per batch row
     with RowAdapters(model).active() as routing:
         out = model(input_ids=ids, attention_mask=attention, position_ids=(attention.cumsum(-1) - 1).clamp(min=0),
                     use_cache=True, logits_to_keep=1, **routing.rows(adapters))
@@ -150,22 +157,29 @@ def decode(
         attention = attention[expand]
         positions = attention.sum(-1)  # next position of every row
         route = routing.rows(row_adapters)
-        for step in range(params.max_new_tokens):
+        for step in range(steps):
             logp = sampling_logprobs(logits, params.temperature, params.top_k, params.top_p)
-            nxt = logp.argmax(-1) if params.greedy else sample(logp, stream_uniforms(stream_keys, step))
-            if params.logprobs:
-                token_logprobs.append(logp.gather(-1, nxt[:, None]).squeeze(-1))
+            nxt = logp.argmax(-1) if params.greedy else sample(logp, stream_uniforms(stream_keys[alive], step))
+            if new_logprobs is not None:
+                new_logprobs[alive, step] = logp.gather(-1, nxt[:, None]).squeeze(-1)
             nxt = torch.where(finished, torch.full_like(nxt, pad_id), nxt)
-            tokens.append(nxt)
+            new[alive, step] = nxt
             finished |= torch.isin(nxt, eos)
-            if bool(finished.all()) or step == params.max_new_tokens - 1:
+            done = int(finished.sum())
+            if done == len(alive) or step == steps - 1:
+                new, new_logprobs = new[:, : step + 1], None if new_logprobs is None else new_logprobs[:, : step + 1]
                 break
+            if drop_finished and done >= max(1, len(alive) // 4):  # drop finished rows: they would cost a forward per step
+                keep = (~finished).nonzero().squeeze(-1)
+                cache.batch_select_indices(keep)
+                alive, attention, positions, nxt = alive[keep], attention[keep], positions[keep], nxt[keep]
+                finished = finished[keep]
+                route = routing.rows([row_adapters[i] for i in alive.tolist()])
             attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=-1)
             out = model(input_ids=nxt[:, None], attention_mask=attention, position_ids=positions[:, None],
                         past_key_values=cache, use_cache=True, **route)
             cache, logits, positions = out.past_key_values, out.logits[:, -1], positions + 1
-    new = torch.stack(tokens, dim=1).cpu()
-    return new, (torch.stack(token_logprobs, dim=1).cpu() if params.logprobs else None)
+    return new.cpu(), (new_logprobs.cpu() if new_logprobs is not None else None)
 
 
 class RowAdapters:

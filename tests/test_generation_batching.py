@@ -153,3 +153,36 @@ def test_row_adapters_compute_what_peft_mixed_batching_does(agents, grouped):
     else:
         torch.testing.assert_close(got, want)
     assert torch.equal(after, want)  # hooks removed, adapters enabled again
+
+
+@pytest.mark.parametrize("logprobs", [False, True])
+def test_dropping_finished_rows_leaves_every_token_and_logprob_unchanged(agents, logprobs):
+    """Tokens bit for bit; log-probs to float rounding (a smaller batch's matrix products may sum in
+    another order: ~2e-6 here)."""
+    from magrpo.hf_backend import decode
+
+    model = agents[0].model
+    prompts = [agents[0].encode_prompts(["def f(x):"])[0], agents[1].encode_prompts(["import os\n"])[0]]
+    expand = torch.tensor([0] * 6 + [1] * 6)
+    params = SamplingParams(max_new_tokens=24, temperature=1.3, top_p=0.95, logprobs=logprobs)
+    eos = list(range(3, 4096, 29))  # many stop tokens: rows end at many different lengths
+    rows_run = []  # batch rows of every forward
+    hook = model.register_forward_pre_hook(lambda m, args, kw: rows_run.append(kw["input_ids"].shape[0]),
+                                           with_kwargs=True)
+    run, work = {}, {}
+    try:
+        for drop in (False, True):
+            rows_run.clear()
+            run[drop] = decode(model, prompts, ["agent_0", "agent_1"], expand, params,
+                               torch.tensor([stream_key(9, r) for r in range(12)]), agents[0].tokenizer.pad_token_id,
+                               eos, drop_finished=drop)
+            work[drop] = sum(rows_run)
+    finally:
+        hook.remove()
+    assert work[True] < 0.8 * work[False]  # finished rows really left the batch
+    lengths = [next((t + 1 for t, i in enumerate(row.tolist()) if i in eos), len(row)) for row in run[False][0]]
+    assert len(set(lengths)) > 3 and min(lengths) < 12  # rows really finish early, at different steps
+    assert torch.equal(run[True][0], run[False][0])
+    if logprobs:
+        for row, n in enumerate(lengths):
+            torch.testing.assert_close(run[True][1][row, :n], run[False][1][row, :n], rtol=0, atol=1e-5)
