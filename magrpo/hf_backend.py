@@ -169,7 +169,7 @@ def decode(
             if done == len(alive) or step == steps - 1:
                 new, new_logprobs = new[:, : step + 1], None if new_logprobs is None else new_logprobs[:, : step + 1]
                 break
-            if drop_finished and done >= max(1, len(alive) // 4):  # drop finished rows: they would cost a forward per step
+            if drop_finished and done >= max(1, len(alive) // 4):  # finished rows would cost a forward per step
                 keep = (~finished).nonzero().squeeze(-1)
                 cache.batch_select_indices(keep)
                 alive, attention, positions, nxt = alive[keep], attention[keep], positions[keep], nxt[keep]
