@@ -62,6 +62,12 @@ class GenerationConfig:
     """Keep the k most likely tokens; 0 = off."""
     max_batch_rows: int = 0
     """Split a generate call into chunks of at most this many sequences; 0 = one call (fastest)."""
+    overlap_chunks: int = 1
+    """Generate each turn's nodes in this many parts and score each part (and give it its feedback, unless
+    trainer.resample_zero_std is on) in a second thread while the next part generates: hides slow scoring or
+    feedback (sandbox timeouts, an expert over HTTP) behind decoding, at the cost of smaller decode batches. The
+    rollout is the same for a given seed. The env's score and the feedback function then run in that thread
+    beside generation: they must not call the model. 1 = off."""
 
 
 @dataclass

@@ -1,8 +1,15 @@
 """Tree expansion: turn by turn, every active node of every tree of the batch is generated in one
-backend call, scored in one env call, and expanded through one feedback call."""
+backend call, scored in one env call, and expanded through one feedback call.
+
+With `overlap_chunks` > 1 a turn's nodes are generated in that many backend calls, and each part is
+scored (and, without dynamic sampling, given its feedback) in a second thread while the next part
+generates: slow scoring or feedback (sandbox timeouts, an expert over HTTP) hides behind decoding.
+Every sample comes from its own random stream and every score and feedback is per node, so the
+rollout is the same as the sequential one."""
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping, Sequence
 
@@ -28,6 +35,7 @@ class TreeSettings:
     resample_zero_std: int = 0  # regenerate a node whose agent groups all got equal rewards, up to this many times
     cross_credit: str = "mean"  # how a completion is credited when checking its group for zero variance
     team_weight: float = 1.0  # with per-agent rewards: each agent's value = w x team + (1 - w) x its own
+    overlap_chunks: int = 1  # a turn's nodes in this many backend calls, scored while the next part generates
 
     @classmethod
     def of(cls, cfg: Any) -> "TreeSettings":
@@ -43,6 +51,7 @@ class TreeSettings:
             trainer.resample_zero_std,
             trainer.cross_credit,
             cfg.reward.team_weight,
+            cfg.generation.overlap_chunks,
         )
 
 
@@ -161,44 +170,15 @@ def expand_trees(
             node.agent_rewards = None if own is None else own[i]
         return scored, rewards, np.asarray(failed, dtype=bool).reshape(len(at), len(joint))
 
-    for turn in range(tree.num_turns):
-        first_id = len(nodes)
-        nodes.extend(level)
-
-        # 1) generate: one backend call for every agent of every node of this turn
-        t0 = time.perf_counter()
-        generate(level, 0)
-        t1 = time.perf_counter()
-
-        # 2) score: one env call for every joint action of this turn
-        scored, rewards, failed = score(level, turn)
-        t2 = time.perf_counter()
-        gen_s, reward_s = t1 - t0, t2 - t1
-
-        # 2b) dynamic sampling: regenerate the nodes whose every agent group got equal rewards
-        for attempt in range(1, tree.resample_zero_std + 1):
-            flat = [i for i in range(len(level)) if all_groups_flat(
-                joint, own_values(rewards[i], level[i].agent_rewards, tree.team_weight), k, tree.cross_credit)]
-            if not flat:
-                break
-            t0 = time.perf_counter()
-            generate([level[i] for i in flat], attempt)
-            t1 = time.perf_counter()
-            again, again_rewards, again_failed = score([level[i] for i in flat], turn)
-            for row, i in enumerate(flat):
-                scored[i * len(joint) : (i + 1) * len(joint)] = again[row * len(joint) : (row + 1) * len(joint)]
-                rewards[i], failed[i] = again_rewards[row], again_failed[row]
-            rollout.resampled_nodes += len(flat)
-            t2 = time.perf_counter()
-            gen_s, reward_s = gen_s + t1 - t0, reward_s + t2 - t1
-        rollout.reward_errors += int(failed.sum())
-
-        # 3) expand: joint actions that are neither at the turn limit nor terminated get a child;
-        #    the feedback layer sees all of this turn's expanding branches at once
+    def expand(at: list[Node], first: int, turn: int, scored: list[Scored], rewards: np.ndarray,
+               failed: np.ndarray) -> tuple[int, list[tuple[int, int]], list[Branch], list[list[str]]]:
+        """Rewards onto the nodes `at` (level[first:...]); the joint actions that are neither at the
+        turn limit nor terminated become branches, sent through one feedback call. Returns
+        (terminated joint actions, (level index, joint action) of each branch, branches, child prompts)."""
         branches: list[Branch] = []
         parents: list[tuple[int, int]] = []
         terminated = 0
-        for i, node in enumerate(level):
+        for i, node in enumerate(at):
             node.rewards = rewards[i]
             node.outcomes = [s.outcomes for s in scored[i * len(joint) : (i + 1) * len(joint)]]
             stop = failed[i].copy()  # a joint action the env could not score is a leaf
@@ -221,23 +201,101 @@ def expand_trees(
                     response_history=[node.response_history[a] + [chosen[a]] for a in range(n)],
                     context=scored[i * len(joint) + j].context,
                 ))
-                parents.append((i, j))
-        next_level: list[Node] = []
-        for (i, j), branch, child_prompts in zip(parents, branches, feedback(branches) if branches else []):
-            level[i].children[j] = first_id + len(level) + len(next_level)
-            next_level.append(Node(
-                tree=level[i].tree, turn=turn + 1, parent=(first_id + i, j), prompts=child_prompts,
-                prompt_history=[branch.prompt_history[a] + [child_prompts[a]] for a in range(n)],
-                response_history=branch.response_history,
-                stream=None if level[i].stream is None else stream_key(level[i].stream, j),
-            ))
-        rollout.terminated_per_turn.append(terminated)
-        rollout.timings["gen_s"] += gen_s
-        rollout.timings["reward_s"] += reward_s
-        rollout.timings["feedback_s"] += time.perf_counter() - t2
-        level = next_level
-        if not level:
-            break
+                parents.append((first + i, j))
+        return terminated, parents, branches, (feedback(branches) if branches else [])
+
+    def score_and_expand(at: list[Node], first: int, turn: int, with_feedback: bool) -> dict[str, Any]:
+        """The work after a part's generation, timed: score, then (with_feedback) expand."""
+        t0 = time.perf_counter()
+        scored, rewards, failed = score(at, turn)
+        t1 = time.perf_counter()
+        part = {"scored": scored, "rewards": rewards, "failed": failed, "reward_s": t1 - t0}
+        if with_feedback:
+            part["expanded"] = expand(at, first, turn, scored, rewards, failed)
+            part["feedback_s"] = time.perf_counter() - t1
+        return part
+
+    chunks = max(1, tree.overlap_chunks)
+    worker = ThreadPoolExecutor(1, thread_name_prefix="magrpo-score") if chunks > 1 else None
+    try:
+        for turn in range(tree.num_turns):
+            first_id = len(nodes)
+            nodes.extend(level)
+            # Dynamic sampling regenerates after every node is scored: feedback waits for it.
+            early_feedback = tree.resample_zero_std == 0
+            gen_s = 0.0
+
+            # 1) generate, 2) score (and expand): one backend call per part, its scoring in the worker
+            #    thread while the next part generates (one part, the default: all in this thread)
+            size = -(-len(level) // chunks)
+            bounds = [(start, level[start : start + size]) for start in range(0, len(level), size)]
+            pending: list[Future | dict] = []
+            for first, part in bounds:
+                t0 = time.perf_counter()
+                generate(part, 0)
+                gen_s += time.perf_counter() - t0
+                if worker is None:
+                    pending.append(score_and_expand(part, first, turn, early_feedback))
+                else:
+                    pending.append(worker.submit(score_and_expand, part, first, turn, early_feedback))
+            t_wait = time.perf_counter()
+            parts = [p.result() if isinstance(p, Future) else p for p in pending]
+            wait_s = time.perf_counter() - t_wait
+            scored = [s for p in parts for s in p["scored"]]
+            rewards = np.concatenate([p["rewards"] for p in parts])
+            failed = np.concatenate([p["failed"] for p in parts])
+            reward_s = sum(p["reward_s"] for p in parts)
+            feedback_s = sum(p.get("feedback_s", 0.0) for p in parts)
+            if worker is not None:
+                rollout.timings["overlap_wait_s"] = rollout.timings.get("overlap_wait_s", 0.0) + wait_s
+
+            # 2b) dynamic sampling: regenerate the nodes whose every agent group got equal rewards
+            for attempt in range(1, tree.resample_zero_std + 1):
+                flat = [i for i in range(len(level)) if all_groups_flat(
+                    joint, own_values(rewards[i], level[i].agent_rewards, tree.team_weight), k, tree.cross_credit)]
+                if not flat:
+                    break
+                t0 = time.perf_counter()
+                generate([level[i] for i in flat], attempt)
+                t1 = time.perf_counter()
+                again, again_rewards, again_failed = score([level[i] for i in flat], turn)
+                for row, i in enumerate(flat):
+                    scored[i * len(joint) : (i + 1) * len(joint)] = again[row * len(joint) : (row + 1) * len(joint)]
+                    rewards[i], failed[i] = again_rewards[row], again_failed[row]
+                rollout.resampled_nodes += len(flat)
+                t2 = time.perf_counter()
+                gen_s, reward_s = gen_s + t1 - t0, reward_s + t2 - t1
+            rollout.reward_errors += int(failed.sum())
+
+            # 3) expand: joint actions that are neither at the turn limit nor terminated get a child;
+            #    the feedback layer sees all of this turn's expanding branches at once (per part with
+            #    overlap_chunks > 1)
+            if early_feedback:
+                done = [p["expanded"] for p in parts]
+            else:
+                t2 = time.perf_counter()
+                done = [expand(level, 0, turn, scored, rewards, failed)]
+                feedback_s += time.perf_counter() - t2
+            next_level: list[Node] = []
+            for _, parents, branches, prompts in done:
+                for (i, j), branch, child_prompts in zip(parents, branches, prompts):
+                    level[i].children[j] = first_id + len(level) + len(next_level)
+                    next_level.append(Node(
+                        tree=level[i].tree, turn=turn + 1, parent=(first_id + i, j), prompts=child_prompts,
+                        prompt_history=[branch.prompt_history[a] + [child_prompts[a]] for a in range(n)],
+                        response_history=branch.response_history,
+                        stream=None if level[i].stream is None else stream_key(level[i].stream, j),
+                    ))
+            rollout.terminated_per_turn.append(sum(d[0] for d in done))
+            rollout.timings["gen_s"] += gen_s
+            rollout.timings["reward_s"] += reward_s
+            rollout.timings["feedback_s"] += feedback_s
+            level = next_level
+            if not level:
+                break
+    finally:
+        if worker is not None:
+            worker.shutdown(wait=True, cancel_futures=True)
     return rollout
 
 

@@ -89,6 +89,7 @@ def validate(cfg: TrainConfig) -> None:
     at_least("generation.max_new_tokens", gen.max_new_tokens, 1)
     at_least("generation.top_k", gen.top_k, 0)
     at_least("generation.max_batch_rows", gen.max_batch_rows, 0)
+    at_least("generation.overlap_chunks", gen.overlap_chunks, 1)
     above("generation.temperature", gen.temperature, 0)
     if not 0 < gen.top_p <= 1:
         raise ConfigError("generation.top_p", f"must be in (0, 1], got {gen.top_p}")
