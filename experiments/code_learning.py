@@ -320,6 +320,41 @@ def table(runs: dict[str, dict[int, tuple[list[dict], dict]]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+# (label, metric key) of the training diagnostics: why a run can or cannot learn (agent keys: mean over agents)
+DIAGNOSTICS = [("training reward, turn 1", "train/turn_0/reward_mean"),
+               ("training reward, turn 2", "train/turn_1/reward_mean"),
+               ("groups with zero reward spread (no gradient)", "frac_zero_std"),
+               ("completions cut at max_new_tokens", "truncated_frac"),
+               ("completion length (tokens)", "completion_len"),
+               ("gradient norm", "grad_norm"),
+               ("seconds per step", "perf/step_s")]
+
+
+def diagnostics(runs: dict[str, dict[int, tuple[list[dict], dict]]]) -> str:
+    """Markdown: per variant, each training diagnostic at the first step, the mean over all steps and
+    at the last step (mean ± sd over seeds)."""
+    lines = ["| variant | diagnostic | first step | all steps | last step |", "|---|---|---|---|---|"]
+    for name, seeds in runs.items():
+        for label, key in DIAGNOSTICS:
+            per_seed = [[v for v in map(lambda r: _value(r, key), records) if v is not None]
+                        for records, _ in seeds.values()]
+            per_seed = [values for values in per_seed if values]
+            if per_seed:
+                lines.append(f"| {name} | {label} | {mean_sd([v[0] for v in per_seed])} | "
+                             f"{mean_sd([sum(v) / len(v) for v in per_seed])} | {mean_sd([v[-1] for v in per_seed])} |")
+    return "\n".join(lines) + "\n"
+
+
+def _value(record: dict, key: str) -> float | None:
+    """A training record's value of `key`; a bare name is the mean of train/agent_*/<name>."""
+    if "step" not in record or record["step"] == 0 or "perf/step_s" not in record:
+        return None  # not a training step (the evaluation before training)
+    if "/" in key:
+        return record.get(key)
+    values = [v for k, v in record.items() if k.startswith("train/agent_") and k.endswith("/" + key)]
+    return sum(values) / len(values) if values else None
+
+
 def _turn(key: str) -> int | None:
     """t of an `eval/turn_{t}/...` key (0-based), else None."""
     m = re.match(r"eval/turn_(\d+)/", key)
@@ -380,7 +415,8 @@ def report(out: Path, doc: Path, image: Path) -> str:
             f"held-out: HumanEval {HELD_OUT_SPLIT}.",
             f"Sizes: {json.dumps(next(iter(next(iter(runs.values())).values()))[1].get('sizes', 'not recorded'))}.",
             "", f"![results]({os.path.relpath(image, doc.parent)})", ""]
-    text = "\n".join(head) + "\n" + table(runs)
+    text = ("\n".join(head) + "\n" + table(runs) + "\n**Training diagnostics** (mean ± sd over seeds)\n\n"
+            + diagnostics(runs))
     doc.parent.mkdir(parents=True, exist_ok=True)
     doc.write_text(text)
     return text

@@ -299,7 +299,7 @@ BAD = {
     "env.name=no_such_pkg.mod:Env": ("env.name", ["cannot import module 'no_such_pkg.mod'"]),
     "env.name=length_ratio env.dataset=x": ("env.dataset", ["unknown key", "ratio"]),
     "plugins=[no_such_plugin]": ("plugins", ["cannot import module 'no_such_plugin'"]),
-    "experiment=nope": ("experiment", ["'nope'", "cpu_smollm2-135m, toy"]),
+    "experiment=nope": ("experiment", ["'nope'", "cpu_smollm2-135m, gpu_coder, toy"]),
     "--cfg nope": ("--cfg", ["'nope'", "job, hydra, all"]),
     "--config-dir /no/such/dir": ("--config-dir", ["not a folder"]),
     "--config-name": ("--config-name", ["needs a value"]),
