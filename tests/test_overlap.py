@@ -113,3 +113,37 @@ def test_overlap_chunks_below_one_is_a_config_error(make_cfg):
 
     with pytest.raises(ConfigError, match="generation.overlap_chunks"):
         validate(make_cfg("generation.overlap_chunks=0"))
+
+
+class ProgramBackend(FakeBackend):
+    """Real programs for HumanEval/0: sample k of the entry point is right for even k, wrong for odd k,
+    so the sandbox runs them from the worker thread and the rewards differ."""
+
+    def generate(self, requests, params):
+        from tests.test_code_env import AUX, MAIN, WRONG_MAIN
+
+        out = super().generate(requests, params)
+        for request, completions in zip(requests, out):
+            for k, c in enumerate(completions):
+                c.text = AUX if request.agent == 0 else (MAIN if k % 2 == 0 else WRONG_MAIN)
+        return out
+
+
+def test_code_env_sandbox_and_level_feedback_give_the_same_rollout_from_the_worker_thread(monkeypatch):
+    from magrpo.envs.code.env import CodeEnv
+    from magrpo.external.levels import level_feedback
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    env = CodeEnv(CodeEnv.Config(train_split="test[:1]", eval_split="test[1:2]"))
+    problems = env.problems("train") * 3
+
+    def rollout(chunks):
+        return expand_trees(problems, env, ProgramBackend(), Feedback(ExternalConfig(), env, level_feedback),
+                            TreeSettings(num_generations=2, num_turns=2, joint_mode="cross", overlap_chunks=chunks),
+                            SAMPLING)
+
+    sequential, overlapped = rollout(1), rollout(3)
+    assert snapshot(overlapped) == snapshot(sequential)
+    assert [n.prompts for n in overlapped.nodes] == [n.prompts for n in sequential.nodes]
+    assert {r for n in sequential.nodes for r in n.rewards.tolist()} >= {4.0}  # the right program passed
+    assert len({r for n in sequential.nodes for r in n.rewards.tolist()}) > 1
