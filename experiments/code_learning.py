@@ -407,7 +407,11 @@ def report(out: Path, doc: Path, image: Path) -> str:
     plot(runs, image)
     dates = sorted(i["date"] for seeds in runs.values() for _, i in seeds.values())
     machines = sorted({i["machine"] for seeds in runs.values() for _, i in seeds.values()})
-    head = [f"Runs {dates[0]} to {dates[-1]} on {'; '.join(machines)}.",
+    run_minutes = sum(i["seconds"] for seeds in runs.values() for _, i in seeds.values()) / 60
+    select_minutes = float(selection.get("seconds", 0.0)) / 60
+    head = [f"Runs finished between {dates[0]} and {dates[-1]} on {'; '.join(machines)}. "
+            f"Time: selection {select_minutes:.0f} min + {sum(map(len, runs.values()))} runs {run_minutes:.0f} min "
+            f"= {(select_minutes + run_minutes) / 60:.2f} h.",
             f"Training problems: {len(selection.get('selected', []))} of {len(selection.get('rates', {}))} "
             f"candidates, those whose sampled rewards differ ({_strictly_between(selection)} of them with a "
             f"pass rate strictly between 0 and 1; selection {selection.get('date', '?')}, "
