@@ -84,21 +84,25 @@ REFERENCE = "level_feedback"
 # ------------------------------------------------------------------------------------------ select
 
 
-def pass_rates(paths: Sequence[tuple[int, dict]], task_ids: Sequence[str], samples: int) -> dict[str, float]:
-    """Per task id, the share of its `samples` sampled paths that pass; `paths` are (index into the
-    repeated problem list, outcomes), the list repeating each problem `samples` times in a row."""
-    passed = [0] * len(task_ids)
+def sampled(paths: Sequence[tuple[int, dict]], task_ids: Sequence[str], samples: int,
+            field: str) -> dict[str, list[float]]:
+    """Per task id, the `field` outcome of each of its `samples` sampled paths, in path order; `paths` are
+    (index into the repeated problem list, outcomes), the list repeating each problem `samples` times."""
+    values: list[list[float]] = [[] for _ in task_ids]
     for index, outcome in paths:
-        passed[index // samples] += int(outcome["passed"] > 0)
-    return {task_id: passed[i] / samples for i, task_id in enumerate(task_ids)}
+        values[index // samples].append(round(float(outcome[field]), 6))
+    return {task_id: values[i] for i, task_id in enumerate(task_ids)}
+
+
+def pass_rates(paths: Sequence[tuple[int, dict]], task_ids: Sequence[str], samples: int) -> dict[str, float]:
+    """Per task id, the share of its sampled paths that pass."""
+    return {task_id: sum(v > 0 for v in passed) / samples
+            for task_id, passed in sampled(paths, task_ids, samples, "passed").items()}
 
 
 def reward_sets(paths: Sequence[tuple[int, dict]], task_ids: Sequence[str], samples: int) -> dict[str, list[float]]:
-    """Per task id, the sorted rewards of its `samples` sampled paths (same layout as pass_rates)."""
-    rewards: list[list[float]] = [[] for _ in task_ids]
-    for index, outcome in paths:
-        rewards[index // samples].append(round(float(outcome["reward"]), 6))
-    return {task_id: sorted(rewards[i]) for i, task_id in enumerate(task_ids)}
+    """Per task id, the sorted rewards of its sampled paths."""
+    return {task_id: sorted(rewards) for task_id, rewards in sampled(paths, task_ids, samples, "reward").items()}
 
 
 def choose(rewards: dict[str, list[float]], strict: bool = True) -> list[str]:
@@ -336,7 +340,7 @@ def diagnostics(runs: dict[str, dict[int, tuple[list[dict], dict]]]) -> str:
     lines = ["| variant | diagnostic | first step | all steps | last step |", "|---|---|---|---|---|"]
     for name, seeds in runs.items():
         for label, key in DIAGNOSTICS:
-            per_seed = [[v for v in map(lambda r: _value(r, key), records) if v is not None]
+            per_seed = [[v for v in (_value(r, key) for r in records) if v is not None]
                         for records, _ in seeds.values()]
             per_seed = [values for values in per_seed if values]
             if per_seed:
@@ -390,7 +394,10 @@ def plot(runs: dict[str, dict[int, tuple[list[dict], dict]]], path: Path) -> Pat
                 ax.fill_between(steps, [min(v) for v in values], [max(v) for v in values], alpha=0.2)
     for ax, (title, ylabel, _) in zip(axes, panels):
         ax.set(title=title, xlabel="step", ylabel=ylabel)
-        ax.legend(fontsize=8)
+        if ax.lines:
+            ax.legend(fontsize=8)
+        else:  # say so rather than draw an empty frame
+            ax.text(0.5, 0.5, "no data in these runs", ha="center", va="center", transform=ax.transAxes)
     fig.suptitle("mean over seeds; band: min-max", fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -26,6 +26,7 @@ class HFBackend:
         self.generate_calls = 0
         self.generated_tokens = 0
         self.largest_chunk = 0  # rows of the biggest decode so far (what an out-of-memory halves)
+        self.routing: dict[int, RowAdapters] = {}  # per base model: its LoRA layers, found once
 
     def halve_batch(self) -> int:
         """After an out-of-memory: decode at most half the rows of the biggest chunk from now on."""
@@ -66,6 +67,11 @@ class HFBackend:
                     results[r].append(completion)
         return results
 
+    def _routing(self, model: torch.nn.Module) -> RowAdapters:
+        if id(model) not in self.routing:
+            self.routing[id(model)] = RowAdapters(model)
+        return self.routing[id(model)]
+
     def _generate_rows(self, requests, rows: list[int], keys: list[int], prompt_ids: dict[int, list[int]],
                        params: SamplingParams):
         first = self.agents[requests[rows[0]].agent]
@@ -84,6 +90,7 @@ class HFBackend:
             stream_keys=torch.tensor(keys, dtype=torch.long),
             pad_id=tok.pad_token_id,
             eos_ids=eos,
+            routing=self._routing(model),
         )
         self.generate_calls += 1
         completions = []
@@ -123,6 +130,7 @@ def decode(
     pad_id: int,
     eos_ids: list[int],
     drop_finished: bool = True,
+    routing: RowAdapters | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Sample completions for rows `expand` (an index into `prompts`, repeated for n samples).
 
@@ -133,7 +141,8 @@ def decode(
     Returns (rows, steps) new token ids (pad after EOS) and, when asked, their sampling log-probs.
     Rows that finished leave the batch once a quarter of it has (`drop_finished`): the other rows
     keep their random streams, so their tokens stay the same (their logits may move by float
-    rounding, ~1e-6, where a smaller batch's matrix products sum in another order).
+    rounding, ~1e-6, where a smaller batch's matrix products sum in another order). `routing`: the
+    model's RowAdapters, when the caller keeps one across calls.
     """
     device = next(model.parameters()).device
     width = max(len(p) for p in prompts)
@@ -148,7 +157,7 @@ def decode(
     new_logprobs = torch.zeros(len(expand), steps, device=device) if params.logprobs else None
     alive = torch.arange(len(expand), device=device)  # the rows still in the batch, in row order
     finished = torch.zeros(len(expand), dtype=torch.bool, device=device)  # per batch row
-    with RowAdapters(model).active() as routing:
+    with (routing or RowAdapters(model)).active() as routing:
         out = model(input_ids=ids, attention_mask=attention, position_ids=(attention.cumsum(-1) - 1).clamp(min=0),
                     use_cache=True, logits_to_keep=1, **routing.rows(adapters))
         cache = out.past_key_values

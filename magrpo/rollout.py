@@ -113,6 +113,13 @@ class Rollout:
     resampled_nodes: int = 0  # node regenerations by dynamic sampling (a node regenerated twice counts 2)
 
 
+def _finished(value: Any) -> Future:
+    """A Future already holding `value`: work done in this thread, awaited like the worker's."""
+    future: Future = Future()
+    future.set_result(value)
+    return future
+
+
 def expand_trees(
     problems: Sequence[Mapping[str, Any]],
     env: Environment,
@@ -217,29 +224,29 @@ def expand_trees(
 
     chunks = max(1, tree.overlap_chunks)
     worker = ThreadPoolExecutor(1, thread_name_prefix="magrpo-score") if chunks > 1 else None
+    # Dynamic sampling regenerates after every node is scored: feedback waits for it.
+    early_feedback = tree.resample_zero_std == 0
     try:
         for turn in range(tree.num_turns):
             first_id = len(nodes)
             nodes.extend(level)
-            # Dynamic sampling regenerates after every node is scored: feedback waits for it.
-            early_feedback = tree.resample_zero_std == 0
             gen_s = 0.0
 
             # 1) generate, 2) score (and expand): one backend call per part, its scoring in the worker
             #    thread while the next part generates (one part, the default: all in this thread)
             size = -(-len(level) // chunks)
             bounds = [(start, level[start : start + size]) for start in range(0, len(level), size)]
-            pending: list[Future | dict] = []
+            pending: list[Future] = []
             for first, part in bounds:
                 t0 = time.perf_counter()
                 generate(part, 0)
                 gen_s += time.perf_counter() - t0
-                if worker is None:
-                    pending.append(score_and_expand(part, first, turn, early_feedback))
+                if worker is None:  # run now, so an error stops the turn before the next part generates
+                    pending.append(_finished(score_and_expand(part, first, turn, early_feedback)))
                 else:
                     pending.append(worker.submit(score_and_expand, part, first, turn, early_feedback))
             t_wait = time.perf_counter()
-            parts = [p.result() if isinstance(p, Future) else p for p in pending]
+            parts = [p.result() for p in pending]
             wait_s = time.perf_counter() - t_wait
             scored = [s for p in parts for s in p["scored"]]
             rewards = np.concatenate([p["rewards"] for p in parts])

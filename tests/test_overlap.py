@@ -56,6 +56,12 @@ def test_overlapped_rollout_equals_the_sequential_one(agents, settings):
         assert "overlap_wait_s" in overlapped.timings
 
 
+def meet(arrived: threading.Event, other: threading.Event) -> bool:
+    """Say this side has arrived, then wait for the other: True only if both were running at once."""
+    arrived.set()
+    return other.wait(timeout=10)
+
+
 class MeetingBackend(FakeBackend):
     """The second generate call of a turn waits until the first part's scoring has started."""
 
@@ -66,8 +72,7 @@ class MeetingBackend(FakeBackend):
 
     def generate(self, requests, params):
         if self.generate_calls == 1:  # the second part of turn 0
-            self.second_part_started.set()
-            self.met.append(self.scoring_started.wait(timeout=10))
+            self.met.append(meet(self.second_part_started, self.scoring_started))
         return super().generate(requests, params)
 
 
@@ -79,8 +84,7 @@ class MeetingEnv(FakeEnv):
 
     def rewards(self, problems, joint_completions):
         if self.reward_calls == 0:  # the first part of turn 0
-            self.scoring_started.set()
-            self.met.append(self.second_part_started.wait(timeout=10))
+            self.met.append(meet(self.scoring_started, self.second_part_started))
         return super().rewards(problems, joint_completions)
 
 
