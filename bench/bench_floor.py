@@ -10,6 +10,10 @@ update (its samples). Then it times the floor of the same work on the same model
 - update: one forward and backward per recorded micro-batch size over the same prompt + completion
   tokens (log-probs of the completion tokens summed), no optimizer step.
 
+For generate it also times a bare floor: the model's own forward, one per token over the same rows
+with a KV cache, the adapters off, the next token by argmax, no sampling and no `generate` around it:
+what decoding those tokens costs the model itself (the `bare` columns).
+
 Scoring and feedback have no floor here (the env's and feedback's own work); they are printed as
 measured. The first step is a warm-up and is left out of the means when there are more steps.
 
@@ -35,8 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 DEFAULTS = ["env=length_ratio", "model=tiny", "external=length_ratio", "trainer.batch_size=4",
             "trainer.num_generations=4", "trainer.num_turns=2", "generation.max_new_tokens=32"]
-QUIET = ["eval.at_end=false", "logging.wandb.mode=disabled", "logging.progress=false", "logging.samples_every=0",
-         "logging.rollouts=false", "model.device=cpu"]
+QUIET = ["eval.at_end=false", "eval.at_start=false", "eval.every=0", "logging.wandb.mode=disabled",
+         "logging.progress=false", "logging.samples_every=0", "logging.rollouts=false", "model.device=cpu"]
 
 
 class Recorder:
@@ -45,7 +49,8 @@ class Recorder:
     def __init__(self):
         self.decodes: list[dict] = []  # per decode call: rows' prompt ids, completion lengths, model
         self.updates: list[dict] = []  # per agent update: samples, micro-batch size, model, step index
-        self.step = 0
+        self.step = 0  # the current training step
+        self.collecting = False  # decodes outside a step's rollout (evaluation) are not the step's
 
     def install(self):
         from magrpo.hf_backend import HFBackend
@@ -55,6 +60,8 @@ class Recorder:
 
         def generate_rows(backend, requests, rows, keys, prompt_ids, params):
             completions = real_rows(backend, requests, rows, keys, prompt_ids, params)
+            if not recorder.collecting:
+                return completions
             agent = backend.agents[requests[rows[0]].agent]
             recorder.decodes.append({"step": recorder.step, "agent": agent, "params": params,
                                      "prompts": [prompt_ids[r] for r in rows],
@@ -93,6 +100,25 @@ def floor_generate(call: dict) -> float:
     return time.perf_counter() - start
 
 
+def floor_forward(call: dict) -> float:
+    """The bare decode: prefill every row, then one forward per token, base model, argmax."""
+    agent = call["agent"]
+    model, pad = agent.model, agent.tokenizer.pad_token_id
+    width = max(len(p) for p in call["prompts"])
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in call["prompts"]])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in call["prompts"]])
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    start = time.perf_counter()
+    with torch.no_grad(), model.disable_adapter():
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
+        for _ in range(max(call["lengths"]) - 1):
+            positions = positions[:, -1:] + 1
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)
+            out = model(input_ids=out.logits[:, -1].argmax(-1, keepdim=True), attention_mask=mask,
+                        position_ids=positions, past_key_values=out.past_key_values, use_cache=True)
+    return time.perf_counter() - start
+
+
 def floor_update(update: dict) -> float:
     agent, samples, micro = update["agent"], update["samples"], update["micro"]
     model, pad = agent.model, agent.tokenizer.pad_token_id
@@ -115,7 +141,8 @@ def floor_update(update: dict) -> float:
 
 
 def measure(overrides: list[str], steps: int) -> dict[str, dict[str, float]]:
-    """{phase: {"step": mean seconds, "floor": mean seconds or None}} over the measured steps."""
+    """{phase: {"step": mean seconds, "floor": mean seconds or None, "bare": mean seconds or None}} over
+    the measured steps."""
     import magrpo.envs
     import magrpo.external  # noqa: F401
     from magrpo.cli import compose
@@ -130,8 +157,11 @@ def measure(overrides: list[str], steps: int) -> dict[str, dict[str, float]]:
         real_collect = trainer_module.Run.collect
 
         def collect(run, step):
-            recorder.step = step
-            return real_collect(run, step)
+            recorder.step, recorder.collecting = step, True
+            try:
+                return real_collect(run, step)
+            finally:
+                recorder.collecting = False
 
         trainer_module.Run.collect = collect
         try:
@@ -141,9 +171,10 @@ def measure(overrides: list[str], steps: int) -> dict[str, dict[str, float]]:
             uninstall()
         metrics = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
         measured = [m for m in metrics if m["step"] >= (2 if steps > 1 else 1)]
-        per_step = {step: {"generate": 0.0, "update": 0.0} for step in range(1, steps + 1)}
+        per_step = {step: {"generate": 0.0, "bare": 0.0, "update": 0.0} for step in range(1, steps + 1)}
         for call in recorder.decodes:
             per_step[call["step"]]["generate"] += floor_generate(call)
+            per_step[call["step"]]["bare"] += floor_forward(call)
         for update in recorder.updates:
             per_step[update["step"]]["update"] += floor_update(update)
     kept = [per_step[m["step"]] for m in measured]
@@ -152,23 +183,29 @@ def measure(overrides: list[str], steps: int) -> dict[str, dict[str, float]]:
         return statistics.fmean(values) if values else 0.0
 
     out = {
-        "generate": {"step": mean([m["perf/gen_s"] for m in measured]), "floor": mean([f["generate"] for f in kept])},
-        "score": {"step": mean([m["perf/reward_s"] for m in measured]), "floor": None},
-        "feedback": {"step": mean([m["perf/feedback_s"] for m in measured]), "floor": None},
-        "update": {"step": mean([m["perf/update_s"] for m in measured]), "floor": mean([f["update"] for f in kept])},
+        "generate": {"step": mean([m["perf/gen_s"] for m in measured]), "floor": mean([f["generate"] for f in kept]),
+                     "bare": mean([f["bare"] for f in kept])},
+        "score": {"step": mean([m["perf/reward_s"] for m in measured]), "floor": None, "bare": None},
+        "feedback": {"step": mean([m["perf/feedback_s"] for m in measured]), "floor": None, "bare": None},
+        "update": {"step": mean([m["perf/update_s"] for m in measured]), "floor": mean([f["update"] for f in kept]),
+                   "bare": mean([f["update"] for f in kept])},
     }
     out["step"] = {"step": mean([m["perf/step_s"] for m in measured]),
-                   "floor": out["generate"]["floor"] + out["update"]["floor"]}
+                   "floor": out["generate"]["floor"] + out["update"]["floor"],
+                   "bare": out["generate"]["bare"] + out["update"]["bare"]}
     return out
 
 
 def table(result: dict[str, dict[str, float]]) -> str:
-    lines = ["| phase | step s | floor s | step / floor |", "|---|---:|---:|---:|"]
+    """Markdown: each phase's step seconds next to its floor (plain generate / forward-backward) and its
+    bare floor (the decode as bare forwards; the update's floor again)."""
+    lines = ["| phase | step s | floor s | step / floor | bare floor s | step / bare |",
+             "|---|---:|---:|---:|---:|---:|"]
     for phase, r in result.items():
-        floor = r["floor"]
-        ratio = f"{r['step'] / floor:.2f}" if floor else "-"
-        lines.append(f"| {phase} | {r['step']:.3f} | {floor:.3f} | {ratio} |" if floor is not None
-                     else f"| {phase} | {r['step']:.3f} | - | - |")
+        cells = [f"{r['step']:.3f}"]
+        for floor in (r["floor"], r["bare"]):
+            cells += [f"{floor:.3f}", f"{r['step'] / floor:.2f}"] if floor else ["-", "-"]
+        lines.append(f"| {phase} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

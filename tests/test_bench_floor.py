@@ -21,7 +21,8 @@ def test_the_floor_benchmark_measures_every_phase_of_a_step():
                             "generation.max_new_tokens=4"], steps=1)
     assert list(result) == ["generate", "score", "feedback", "update", "step"]
     assert result["generate"]["floor"] > 0 and result["update"]["floor"] > 0
-    assert result["score"]["floor"] is None
+    assert result["generate"]["bare"] > 0 and result["step"]["bare"] > 0
+    assert result["score"]["floor"] is None and result["score"]["bare"] is None
     assert all(r["step"] >= 0 for r in result.values())
     text = bench.table(result)
     assert text.splitlines()[2].startswith("| generate |") and "| score |" in text
