@@ -140,6 +140,10 @@ def floor_update(update: dict) -> float:
     return time.perf_counter() - start
 
 
+def progress(message: str) -> None:
+    print(f"bench_floor: {message}", file=sys.stderr, flush=True)
+
+
 def measure(overrides: list[str], steps: int) -> dict[str, dict[str, float]]:
     """{phase: {"step": mean seconds, "floor": mean seconds or None, "bare": mean seconds or None}} over
     the measured steps."""
@@ -165,17 +169,23 @@ def measure(overrides: list[str], steps: int) -> dict[str, dict[str, float]]:
 
         trainer_module.Run.collect = collect
         try:
+            progress(f"training {steps} step(s), recording every decode call and update")
             run_dir = train(cfg)
         finally:
             trainer_module.Run.collect = real_collect
             uninstall()
         metrics = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
         measured = [m for m in metrics if m["step"] >= (2 if steps > 1 else 1)]
-        per_step = {step: {"generate": 0.0, "bare": 0.0, "update": 0.0} for step in range(1, steps + 1)}
-        for call in recorder.decodes:
+        # Floors only for the measured steps: the warm-up step's would be timed and thrown away.
+        per_step = {m["step"]: {"generate": 0.0, "bare": 0.0, "update": 0.0} for m in measured}
+        decodes = [call for call in recorder.decodes if call["step"] in per_step]
+        updates = [update for update in recorder.updates if update["step"] in per_step]
+        for i, call in enumerate(decodes, 1):
+            progress(f"floor of decode call {i}/{len(decodes)} ({len(call['prompts'])} rows)")
             per_step[call["step"]]["generate"] += floor_generate(call)
             per_step[call["step"]]["bare"] += floor_forward(call)
-        for update in recorder.updates:
+        for i, update in enumerate(updates, 1):
+            progress(f"floor of agent update {i}/{len(updates)} ({len(update['samples'])} samples)")
             per_step[update["step"]]["update"] += floor_update(update)
     kept = [per_step[m["step"]] for m in measured]
 

@@ -56,14 +56,16 @@ import random
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:  # envs/ and external/ live at the repo root
-    sys.path.insert(0, str(ROOT))
+for folder in (ROOT, ROOT / "bench"):  # envs/ and external/ live at the repo root, keyword_task here
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -71,6 +73,47 @@ import torch  # noqa: E402
 NUM_AGENTS, K, T, MAX_NEW = 2, 4, 2, 32
 COMLRL_MODE = {"align": "aligned", "cross": "cross"}
 DEFAULT_COMLRL_PROMPTS = {"align": 8, "cross": 4}
+
+
+@dataclass(frozen=True)
+class Task:
+    """An env, its between-turn feedback and a tiny model, the same for both libraries."""
+
+    about: str
+    env: str  # registered env name
+    module: str  # where the env and its feedback function live
+    feedback: str  # the feedback function's name in that module
+    marker: str  # text every feedback prompt contains (to count comlrl's feedback prompts)
+    hidden_size: int = 128  # the tiny model (magrpo.tiny.TinySpec)
+    layers: int = 2
+    overrides: tuple[str, ...] = ()  # magrpo overrides beyond the shared ones
+
+    def spec(self):
+        from magrpo.tiny import TinySpec
+        return TinySpec(hidden_size=self.hidden_size, num_hidden_layers=self.layers)
+
+    def environment(self):
+        import importlib
+
+        from magrpo.env import ENVS
+        importlib.import_module(self.module)
+        cls = ENVS.get(self.env)
+        return cls(cls.Config())
+
+    def feedback_fn(self):
+        import importlib
+        return getattr(importlib.import_module(self.module), self.feedback)
+
+
+TASKS = {
+    "length_ratio": Task("length-ratio env, tiny model (hidden 128, 2 layers)", "length_ratio",
+                         "magrpo.envs.length_ratio", "length_ratio_feedback", "Last turn lengths",
+                         overrides=("env.num_agents=2",)),
+    # A user's plugin env on another tiny model: deeper and narrower, so more per-token overhead.
+    "keyword_relay": Task("keyword-relay plugin env (bench/keyword_task.py), tiny model (hidden 64, 4 layers)",
+                          "keyword_relay", "keyword_task", "keyword_relay_feedback", "Try again.",
+                          hidden_size=64, layers=4, overrides=("plugins=[keyword_task]",)),
+}
 
 
 def log(msg: str) -> None:
@@ -85,7 +128,7 @@ def seed_all(seed: int) -> None:
 
 # ---------------------------------------------------------------- magrpo
 
-def run_magrpo(mode: str, prompts: int, batch_size: int, turns: int, seed: int, quiet: bool) -> dict:
+def run_magrpo(task: Task, mode: str, prompts: int, batch_size: int, turns: int, seed: int, quiet: bool) -> dict:
     import magrpo.envs
     import magrpo.external  # noqa: F401  (registers the feedback modes)
     import magrpo.models as models
@@ -98,11 +141,13 @@ def run_magrpo(mode: str, prompts: int, batch_size: int, turns: int, seed: int, 
     with tempfile.TemporaryDirectory(prefix="magrpo-bench-") as tmp:
         run_dir = Path(tmp) / "run"
         cfg = compose([
-            "env=length_ratio",
+            f"env={task.env}",
             "model=tiny",
-            "env.num_agents=2",
+            f"model.tiny_hidden_size={task.hidden_size}",
+            f"model.tiny_layers={task.layers}",
+            *task.overrides,
             f"env.train_size={prompts}",
-            "external.mode=length_ratio",
+            f"external.mode={task.env}",
             f"trainer.num_generations={K}",
             f"trainer.num_turns={turns}",
             f"trainer.joint_mode={mode}",
@@ -172,17 +217,16 @@ def _all_turn_reward(rows: list[dict], turns: int, joint: int) -> float:
 
 # ---------------------------------------------------------------- comlrl
 
-def run_comlrl(mode: str, prompts: int, turns: int, seed: int) -> dict:
+def run_comlrl(task: Task, mode: str, prompts: int, turns: int, seed: int) -> dict:
     from comlrl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from magrpo.envs.length_ratio import LengthRatioEnv, length_ratio_feedback
     from magrpo.tiny import tiny_model_path
 
-    env = LengthRatioEnv(LengthRatioEnv.Config())
+    env = task.environment()
     problems = env.problems("train")[:prompts]
-    path = str(tiny_model_path())
+    path = str(tiny_model_path(task.spec()))
 
     def formatter(i: int):
         # comlrl passes external_prompts (the feedback text) on turns after the first; without this
@@ -224,7 +268,7 @@ def run_comlrl(mode: str, prompts: int, turns: int, seed: int) -> dict:
         train_dataset=Dataset.from_list(problems),
         reward_func=reward,
         formatters=[formatter(i) for i in range(NUM_AGENTS)],
-        external_transition=length_ratio_feedback if turns > 1 else None,
+        external_transition=task.feedback_fn() if turns > 1 else None,
         wandb_config=None,
         args=args,
     )
@@ -241,7 +285,7 @@ def run_comlrl(mode: str, prompts: int, turns: int, seed: int) -> dict:
         stats["gen_s"] += time.perf_counter() - t
         stats["gen_calls"] += 1
         stats["tokens"] += sum(out["response_lens"])
-        stats["feedback_prompts"] += sum("Last turn lengths" in p for p in out["prompts"])
+        stats["feedback_prompts"] += sum(task.marker in p for p in out["prompts"])
         return out
 
     def timed_update(*a, **kw):
@@ -330,6 +374,8 @@ def per_prompt(r: dict, key: str) -> float:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--task", choices=sorted(TASKS), default="length_ratio",
+                   help="env, feedback and tiny model (default length_ratio)")
     p.add_argument("--modes", nargs="+", choices=["align", "cross"], default=["align", "cross"])
     p.add_argument("--prompts", type=int, default=16, help="magrpo prompts per mode (default 16)")
     p.add_argument("--batch-size", type=int, default=16, help="magrpo prompts per step (default 16)")
@@ -345,7 +391,8 @@ def main(argv=None) -> int:
     threads = a.threads or default_threads
     torch.set_num_threads(threads)
     start = time.perf_counter()
-    print("magrpo vs comlrl: N=2 agents, K=4, T=2, 32 new tokens, temperature 1.0, length-ratio env, tiny model")
+    task = TASKS[a.task]
+    print(f"magrpo vs comlrl: N=2 agents, K=4, T=2, 32 new tokens, temperature 1.0, {task.about}")
     for line in machine_facts(threads, default_threads):
         print("  " + line)
     print("  " + cpu_state())
@@ -357,26 +404,26 @@ def main(argv=None) -> int:
 
     transformers.utils.logging.disable_progress_bar()  # "Loading weights" bars, once per model load
 
-    log(f"tiny model at {tiny_model_path()}")
+    log(f"tiny model at {tiny_model_path(task.spec())}")
 
     if not a.no_warmup:
         log("warm-up: magrpo (1 prompt, T=1) ...")
-        run_magrpo("align", 1, 1, 1, a.seed, quiet=not a.verbose)
+        run_magrpo(task, "align", 1, 1, 1, a.seed, quiet=not a.verbose)
         log("warm-up: comlrl (1 prompt, T=1) ...")
-        run_comlrl("align", 1, 1, a.seed)
+        run_comlrl(task, "align", 1, 1, a.seed)
         log("warm-up done")
 
     results: dict[str, dict[str, dict]] = {}
     for mode in a.modes:
         results[mode] = {}
         log(f"{mode}: magrpo, {a.prompts} prompts, batch {min(a.batch_size, a.prompts)} ...")
-        m = run_magrpo(mode, a.prompts, a.batch_size, T, a.seed, quiet=not a.verbose)
+        m = run_magrpo(task, mode, a.prompts, a.batch_size, T, a.seed, quiet=not a.verbose)
         results[mode]["magrpo"] = m
         log(f"{mode}: magrpo done: steps {', '.join(f'{s:.2f}' for s in m['step_s'])} s; "
             f"train() wall {m['wall_s']:.2f} s (model load {m['load_s']:.2f} s)")
         cp = a.comlrl_prompts or DEFAULT_COMLRL_PROMPTS[mode]
         log(f"{mode}: comlrl ({COMLRL_MODE[mode]}), {cp} prompts ...")
-        c = run_comlrl(mode, cp, T, a.seed)
+        c = run_comlrl(task, mode, cp, T, a.seed)
         results[mode]["comlrl"] = c
         log(f"{mode}: comlrl done: train() {c['time_s']:.2f} s (model load {c['load_s']:.2f} s, not timed)")
 
