@@ -77,14 +77,19 @@ class Recorder:
         return lambda: (setattr(HFBackend, "_generate_rows", real_rows), setattr(AgentUpdater, "step", real_step))
 
 
+def left_padded(prompts: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, attention mask), both (rows, longest prompt): the mask comes from the lengths, since a
+    prompt may contain the pad id itself."""
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    return ids, mask
+
+
 def floor_generate(call: dict) -> float:
     agent, params = call["agent"], call["params"]
     model, tok = agent.model, agent.tokenizer
-    width = max(len(p) for p in call["prompts"])
-    ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in call["prompts"]])
-    mask = (ids != tok.pad_token_id).long()
-    for row, p in enumerate(call["prompts"]):
-        mask[row, width - len(p):] = 1  # a prompt may contain the pad id itself
+    ids, mask = left_padded(call["prompts"], tok.pad_token_id)
     steps = max(call["lengths"])
     model.set_adapter(agent.adapter)
     sampling = {
@@ -103,10 +108,8 @@ def floor_generate(call: dict) -> float:
 def floor_forward(call: dict) -> float:
     """The bare decode: prefill every row, then one forward per token, base model, argmax."""
     agent = call["agent"]
-    model, pad = agent.model, agent.tokenizer.pad_token_id
-    width = max(len(p) for p in call["prompts"])
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in call["prompts"]])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in call["prompts"]])
+    model = agent.model
+    ids, mask = left_padded(call["prompts"], agent.tokenizer.pad_token_id)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     start = time.perf_counter()
     with torch.no_grad(), model.disable_adapter():

@@ -31,11 +31,16 @@ def words(text: str) -> list[str]:
     return re.findall(r"[a-z]+", text.lower())
 
 
+def given(first: list[str]) -> list[str]:
+    """The words of agent 0 that agent 1 should reuse: its first REUSED distinct ones."""
+    return list(dict.fromkeys(first))[:REUSED]
+
+
 def relay_reward(prompt: str, texts: Sequence[str]) -> float:
     first, second = words(texts[0]), set(words(texts[1]))
     used = sum(w in first for w in targets(prompt)) / len(targets(prompt))
-    given = list(dict.fromkeys(first))[:REUSED]
-    reused = sum(w in second for w in given) / len(given) if given else 0.0
+    given_words = given(first)
+    reused = sum(w in second for w in given_words) / len(given_words) if given_words else 0.0
     return 0.5 * used + 0.5 * reused
 
 
@@ -77,7 +82,7 @@ def keyword_relay_feedback(prompt, agent_completions, num_agents, prompt_history
     first = words(agent_completions[0])
     missing = [w for w in targets(prompt) if w not in first] or ["none"]
     second = set(words(agent_completions[1]))
-    unused = [w for w in list(dict.fromkeys(first))[:REUSED] if w not in second] or ["none"]
+    unused = [w for w in given(first) if w not in second] or ["none"]
     return [
         f"{prompt_history_per_agent[0][0]}\nMissing words: {' '.join(missing)}.\nTry again.",
         f"{prompt_history_per_agent[1][0]}\nThe line before yours: {agent_completions[0]}\n"
