@@ -11,7 +11,7 @@
    problems (test[132:]) are never sampled here.
 2. `run`: every variant x seed is one `train.py` run (in-process, through magrpo.cli) in its own run
    dir (seed by seed, so an interrupted experiment has whole seeds), evaluated on the held-out
-   problems before the first step and after the last. Baselines get
+   problems before the first step and after every step (`eval_every`). Baselines get
    the generation budget of the reference: their batch is scaled so each step samples at least as
    many completions. The "before" evaluation is the untrained-agents baseline.
 3. `report`: mean and spread over seeds, before/after, per variant: a Markdown table and a plot.
@@ -56,13 +56,15 @@ class Sizes:
     seeds: tuple[int, ...]
     lr: float
     strict: bool = True  # keep only problems whose sampled rewards differ; the smoke run keeps all
+    eval_every: int = 1  # also evaluate after every this many steps (0 = before the first and after the last)
 
 
-# Sized to run in about 2 hours on 2 CPU cores (a step of the reference variant, 40 completions of
-# up to 96 tokens, takes ~75 s there): 12 runs of 5 steps. The learning rate is 3x the model
+# Sized to run in about 3 hours on 2 CPU cores (a step of the reference variant, 40 completions of
+# up to 96 tokens, takes ~75 s there, a held-out evaluation ~100 s): 12 runs of 5 steps, evaluated
+# before the first step and after every step. The learning rate is 3x the model
 # default so that 5 steps can move anything; docs/code_learning_results.md says what this scale can show.
 FULL = Sizes("smollm2-135m", 24, 4, 5, 1, 4, 96, 8, 1, (0, 1, 2), 3e-4)
-SMOKE = Sizes("tiny", 2, 2, 1, 1, 2, 16, 2, 2, (0,), 1e-4, strict=False)
+SMOKE = Sizes("tiny", 2, 2, 1, 1, 2, 16, 2, 2, (0,), 1e-4, strict=False, eval_every=0)
 
 
 @dataclass(frozen=True)
@@ -199,8 +201,7 @@ def batch_size(variant: Variant, sizes: Sizes) -> int:
     return math.ceil(target / tree_size("align", sizes.k, variant.agents, variant.turns)[1])
 
 
-def overrides(name: str, seed: int, sizes: Sizes, dataset: Path, n_train: int, run_dir: Path,
-              eval_every: int = 0) -> list[str]:
+def overrides(name: str, seed: int, sizes: Sizes, dataset: Path, n_train: int, run_dir: Path) -> list[str]:
     v = VARIANTS[name]
     return [
         f"model={sizes.model}", f"external={v.feedback}", f"env.dataset='{dataset}'",
@@ -209,7 +210,7 @@ def overrides(name: str, seed: int, sizes: Sizes, dataset: Path, n_train: int, r
         f"trainer.num_generations={sizes.k}", f"trainer.batch_size={batch_size(v, sizes)}",
         f"trainer.steps={sizes.steps}", f"trainer.lr={sizes.lr}",
         f"trainer.seed={seed}", f"generation.max_new_tokens={sizes.max_new_tokens}", "eval.at_start=true",
-        "eval.at_end=true", f"eval.every={eval_every}", f"eval.max_problems={sizes.eval_problems}",
+        "eval.at_end=true", f"eval.every={sizes.eval_every}", f"eval.max_problems={sizes.eval_problems}",
         f"eval.num_samples={sizes.eval_samples}", f"logging.run_dir='{run_dir}'", "logging.wandb.mode=disabled",
         "logging.samples_every=0", "resume=auto", "checkpoint.every=5",  # a killed run loses at most 5 steps
     ]
@@ -225,7 +226,28 @@ def finished(run_dir: Path, steps: int) -> bool:
         return False
 
 
-def run(sizes: Sizes, selection: Path, out: Path, variants: Sequence[str], eval_every: int = 0) -> list[Path]:
+def check_same_settings(run_dir: Path, wanted: Sequence[str]) -> None:
+    """A finished run kept from an earlier call must have been run with these `key=value` settings
+    (say --eval-every 1 over an out dir evaluated before/after only: its per-step numbers would be
+    silently missing); exits naming the first that differs."""
+    config = json.loads((run_dir / "config.json").read_text())
+    for item in wanted:
+        key, text = item.split("=", 1)
+        if key.split(".")[0] not in ("trainer", "eval", "generation"):
+            continue  # the model, data paths and logging say where the run was, not what it computed
+        try:
+            value = json.loads(text)  # numbers and true/false as the config holds them
+        except json.JSONDecodeError:
+            value = text.strip("'")
+        node = config
+        for part in key.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        if node != value:
+            raise SystemExit(f"run: {run_dir} finished with {key}={node}, this call wants {key}={text}; "
+                             f"pass another --out (or the options that run had)")
+
+
+def run(sizes: Sizes, selection: Path, out: Path, variants: Sequence[str]) -> list[Path]:
     """One training run per variant and seed, each in out/runs/<variant>/seed<seed>; finished runs are kept."""
     from magrpo.cli import main as train_main
     from magrpo.tree import tree_size
@@ -238,10 +260,11 @@ def run(sizes: Sizes, selection: Path, out: Path, variants: Sequence[str], eval_
             run_dir = out / "runs" / name / f"seed{seed}"
             dirs.append(run_dir)
             if finished(run_dir, sizes.steps):
+                check_same_settings(run_dir, overrides(name, seed, sizes, dataset, n_train, run_dir))
                 print(f"run: {name} seed {seed} already finished in {run_dir}", file=sys.stderr)
                 continue
             start = time.perf_counter()
-            code = train_main(overrides(name, seed, sizes, dataset, n_train, run_dir, eval_every))
+            code = train_main(overrides(name, seed, sizes, dataset, n_train, run_dir))
             if code:
                 raise SystemExit(f"run: {name} seed {seed} failed (exit {code}); see {run_dir}")
             per_step = tree_size("align", sizes.k, v.agents, v.turns)[1] * batch_size(v, sizes)
@@ -304,24 +327,53 @@ def table(runs: dict[str, dict[int, tuple[list[dict], dict]]]) -> str:
         pairs = [before_after(records) for records, _ in seeds.values()]
         lines += ["", f"**{name}** (held-out, mean ± sd over {len(pairs)} seed(s); turns 1-based)", "",
                   "| metric | turn | before | after | change |", "|---|---|---|---|---|"]
-        turns = sorted({t for b, _ in pairs for t in map(_turn, b) if t is not None})
-        single = next(iter(seeds.values()))[1]["agents"] == 1  # no helper: the aux rates mean nothing
-        for t in turns:
-            for label, suffix in [*LEVELS, (f"pass@{_k(pairs)} sampled", f"pass@{_k(pairs)}")]:
-                if single and label.startswith("aux"):
-                    continue
-                key = f"eval/turn_{t}/{suffix}"
-                both = [(b[key], a[key]) for b, a in pairs if key in b and key in a]
-                if both:
-                    lines.append(f"| {label} | {t + 1} | {mean_sd([x for x, _ in both])} | "
-                                 f"{mean_sd([y for _, y in both])} | {mean_sd([y - x for x, y in both])} |")
-        for key, label in [("eval/improvement/pass@1_greedy", "turn-1 -> last-turn gain, pass@1 greedy"),
-                           ("eval/improvement/pass@1", "turn-1 -> last-turn gain, pass@1 sampled")]:
+        for label, turn, key in metric_rows([b for b, _ in pairs], seeds):
             both = [(b[key], a[key]) for b, a in pairs if key in b and key in a]
-            if both and len(turns) > 1:
-                lines.append(f"| {label} | – | {mean_sd([x for x, _ in both])} | {mean_sd([y for _, y in both])} | "
-                             f"{mean_sd([y - x for x, y in both])} |")
+            if both:
+                lines.append(f"| {label} | {turn} | {mean_sd([x for x, _ in both])} | "
+                             f"{mean_sd([y for _, y in both])} | {mean_sd([y - x for x, y in both])} |")
     return "\n".join(lines) + "\n"
+
+
+GAINS = [("turn-1 -> last-turn gain, pass@1 greedy", "eval/improvement/pass@1_greedy"),
+         ("turn-1 -> last-turn gain, pass@1 sampled", "eval/improvement/pass@1")]
+
+
+def metric_rows(evals: list[dict], seeds: dict[int, tuple[list[dict], dict]]) -> list[tuple[str, str, str]]:
+    """(label, turn column, metric key) of every held-out row, in table order, for the turns these
+    evaluation records hold; a one-agent variant has no aux rows, a one-turn one no gain rows."""
+    turns = sorted({t for record in evals for t in map(_turn, record) if t is not None})
+    single = next(iter(seeds.values()))[1]["agents"] == 1  # no helper: the aux rates mean nothing
+    k = _k(evals)
+    rows = [(label, str(t + 1), f"eval/turn_{t}/{suffix}") for t in turns
+            for label, suffix in [*LEVELS, (f"pass@{k} sampled", f"pass@{k}")]
+            if not (single and label.startswith("aux"))]
+    return rows + ([(label, "–", key) for label, key in GAINS] if len(turns) > 1 else [])
+
+
+def evaluations(records: list[dict]) -> dict[int, dict]:
+    """step -> the held-out evaluation logged at that step (step 0: before training)."""
+    return {r["step"]: r for r in records if "perf/eval_s" in r}
+
+
+def per_step(runs: dict[str, dict[int, tuple[list[dict], dict]]]) -> str:
+    """Markdown: per variant evaluated between its first and last step too (--eval-every), every
+    held-out metric at each evaluation step that all its seeds logged (mean ± sd over seeds)."""
+    lines: list[str] = []
+    for name, seeds in runs.items():
+        evals = [evaluations(records) for records, _ in seeds.values()]
+        steps = sorted(set.intersection(*(set(e) for e in evals)))
+        if len(steps) <= 2:  # before and after only: the before/after table says it all
+            continue
+        lines += ["", f"**{name}** per evaluation step (held-out, mean ± sd over {len(evals)} seed(s); "
+                  "step 0 is before training)", "",
+                  "| metric | turn | " + " | ".join(f"step {s}" for s in steps) + " |",
+                  "|---|---|" + "---|" * len(steps)]
+        for label, turn, key in metric_rows([e[s] for e in evals for s in steps], seeds):
+            if all(key in e[s] for e in evals for s in steps):
+                lines.append(f"| {label} | {turn} | " + " | ".join(mean_sd([e[s][key] for e in evals]) for s in steps)
+                             + " |")
+    return "\n".join(lines) + "\n" if lines else ""
 
 
 # (label, metric key) of the training diagnostics: why a run can or cannot learn (agent keys: mean over agents)
@@ -365,9 +417,9 @@ def _turn(key: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def _k(pairs: list[tuple[dict, dict]]) -> str:
+def _k(evals: list[dict]) -> str:
     """The k of pass@k (eval.num_samples) when above 1, else a key that matches nothing."""
-    ks = {k.rsplit("@", 1)[1] for b, _ in pairs for k in b if "/pass@" in k and k[-1].isdigit()} - {"1"}
+    ks = {k.rsplit("@", 1)[1] for record in evals for k in record if "/pass@" in k and k[-1].isdigit()} - {"1"}
     return ks.pop() if ks else "none"
 
 
@@ -426,8 +478,8 @@ def report(out: Path, doc: Path, image: Path) -> str:
             f"held-out: HumanEval {HELD_OUT_SPLIT}.",
             f"Sizes: {json.dumps(next(iter(next(iter(runs.values())).values()))[1].get('sizes', 'not recorded'))}.",
             "", f"![results]({os.path.relpath(image, doc.parent)})", ""]
-    text = ("\n".join(head) + "\n" + table(runs) + "\n**Training diagnostics** (mean ± sd over seeds)\n\n"
-            + diagnostics(runs))
+    text = ("\n".join(head) + "\n" + table(runs) + per_step(runs)
+            + "\n**Training diagnostics** (mean ± sd over seeds)\n\n" + diagnostics(runs))
     doc.parent.mkdir(parents=True, exist_ok=True)
     doc.write_text(text)
     return text
@@ -450,13 +502,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seeds", nargs="+", type=int, default=None, help="default: 0 1 2 (smoke: 0)")
     parser.add_argument("--steps", type=int, default=None, help=f"training steps (default {FULL.steps})")
     parser.add_argument("--candidates", type=int, default=None, help="first N train problems to select from (0 = all)")
-    parser.add_argument("--eval-every", type=int, default=0, help="also evaluate every N steps (0 = before and after)")
+    parser.add_argument("--eval-every", type=int, default=None,
+                        help=f"also evaluate every N steps (0 = before and after only; "
+                             f"default {FULL.eval_every}, smoke 0)")
     parser.add_argument("--doc", type=Path, default=None, help="results Markdown (default OUT/results.md)")
     parser.add_argument("--image", type=Path, default=None, help="plot PNG (default OUT/results.png)")
     args = parser.parse_args(argv)
     sizes = SMOKE if args.smoke else FULL
     for field, value in (("seeds", tuple(args.seeds) if args.seeds else None), ("steps", args.steps),
-                         ("candidates", args.candidates)):
+                         ("candidates", args.candidates), ("eval_every", args.eval_every)):
         if value is not None:
             sizes = replace(sizes, **{field: value})
     out = args.out or ROOT / "experiments" / "out" / ("code_learning_smoke" if args.smoke else "code_learning")
@@ -466,7 +520,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command in ("select", "all"):
         select(sizes, out / "selection.json")
     if args.command in ("run", "all"):
-        run(sizes, out / "selection.json", out, args.variants, args.eval_every)
+        run(sizes, out / "selection.json", out, args.variants)
     if args.command in ("report", "all"):
         print(report(out, args.doc or out / "results.md", args.image or out / "results.png"))
     return 0

@@ -59,8 +59,9 @@ def test_dataset_holds_the_selected_train_problems_then_every_held_out_one(exp, 
     assert "env.train_split='test[:2]'" in overrides and "env.eval_split='test[2:]'" in overrides
 
 
-def fake_run(root, variant, seed, agents, before, after, rewards):
-    """A finished run dir: eval at step 0 and after the last step, a training reward per step."""
+def fake_run(root, variant, seed, agents, before, after, rewards, between=()):
+    """A finished run dir: eval at step 0, after each step given a value in `between` (--eval-every)
+    and after the last step, a training reward per step."""
     run_dir = root / "runs" / variant / f"seed{seed}"
     run_dir.mkdir(parents=True)
     def evaluation(step, p):
@@ -70,6 +71,8 @@ def fake_run(root, variant, seed, agents, before, after, rewards):
                 "eval/turn_0/pass@4": p, "eval/turn_1/pass@4": p}
     records = [evaluation(0, before)]
     records += [{"step": s, "train/turn_0/reward_mean": r} for s, r in enumerate(rewards, start=1)]
+    for step, p in enumerate(between, start=1):
+        records[step].update(evaluation(step, p))
     records[-1].update(evaluation(len(rewards), after))
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     info = {"variant": variant, "seed": seed, "agents": agents, "turns": 2, "feedback": "level_feedback",
@@ -93,6 +96,21 @@ def test_report_gives_mean_and_spread_over_seeds_before_and_after(exp, tmp_path)
     assert "| tests passed = pass@1 greedy | 1 | 0.100 | 0.200 | 0.100 |" in single  # one seed: no spread
     assert "aux defined" not in single  # one agent writes no helper
     assert "2026-01-01 00:00 UTC" in text and "test box" in text and "](img/results.png)" in text
+    assert "per evaluation step" not in text  # evaluated before and after only
+
+
+def test_report_gives_every_held_out_metric_per_evaluation_step(exp, tmp_path):
+    fake_run(tmp_path, "level_feedback", 0, 2, before=0.2, after=0.6, rewards=[1.0, 2.0, 3.0], between=(0.3, 0.5))
+    fake_run(tmp_path, "level_feedback", 1, 2, before=0.4, after=0.6, rewards=[1.0, 3.0, 3.0], between=(0.3, 0.3))
+    fake_run(tmp_path, "single_agent", 0, 1, before=0.1, after=0.2, rewards=[0.5, 0.5, 0.5])  # no evals between
+    text = exp.report(tmp_path, tmp_path / "results.md", tmp_path / "results.png")
+    steps = text.split("**level_feedback** per evaluation step")[1]
+    assert "| metric | turn | step 0 | step 1 | step 2 | step 3 |" in steps
+    # pass@1 greedy turn 1 per step over the two seeds: (0.2, 0.4), (0.3, 0.3), (0.5, 0.3), (0.6, 0.6)
+    assert ("| tests passed = pass@1 greedy | 1 | 0.300 ± 0.141 | 0.300 ± 0.000 | 0.400 ± 0.141 | 0.600 ± 0.000 |"
+            in steps)
+    assert "| turn-1 -> last-turn gain, pass@1 greedy | – | 0.100 ± 0.000 |" in steps
+    assert "**single_agent** per evaluation step" not in text  # before and after only
 
 
 @pytest.mark.slow
@@ -109,3 +127,23 @@ def test_smoke_pipeline_selects_trains_and_reports(exp, tmp_path, monkeypatch):
     assert "| main defined | 1 |" in text and (tmp_path / "results.png").stat().st_size > 0
     # a second call finds every run finished and only rewrites the report
     assert exp.main(["run", "--smoke", "--out", str(tmp_path)]) == 0
+
+
+def test_a_kept_run_with_other_settings_stops_the_experiment(exp, tmp_path):
+    """Rerunning with --eval-every 1 over runs evaluated before/after only must not keep them as
+    finished: their per-step numbers would be silently missing from the report."""
+    from dataclasses import asdict, replace
+
+    from magrpo.cli import compose
+
+    run_dir, dataset = tmp_path / "run", tmp_path / "problems.jsonl"
+    run_dir.mkdir()
+    before_after_only = replace(exp.FULL, eval_every=0)
+    settings = exp.overrides("plain", 0, before_after_only, dataset, 3, run_dir)
+    (run_dir / "config.json").write_text(json.dumps(asdict(compose(settings)), default=str))
+    exp.check_same_settings(run_dir, settings)  # the same settings: kept
+    with pytest.raises(SystemExit, match=r"eval.every=0, this call wants eval.every=1"):
+        exp.check_same_settings(run_dir, exp.overrides("plain", 0, exp.FULL, dataset, 3, run_dir))
+    with pytest.raises(SystemExit, match=r"trainer.lr=0.0003, this call wants trainer.lr=0.001"):
+        other_lr = replace(before_after_only, lr=1e-3)
+        exp.check_same_settings(run_dir, exp.overrides("plain", 0, other_lr, dataset, 3, run_dir))
