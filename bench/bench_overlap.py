@@ -1,21 +1,22 @@
 """What `generation.overlap_chunks` saves when scoring and feedback wait on remote services.
 
 Runs the same short training once per chunk count (in this process, through magrpo's CLI) on the
-toy task with latency of `bench/latency_task.py` (scoring waits --score-ms per call, feedback
---feedback-ms per branch, as a sandbox batch or an expert behind HTTP would), and prints per chunk
+toy task with latency of `bench/latency_task.py` (scoring waits --score-ms per joint action,
+feedback --feedback-ms per branch, as a sandbox or an expert behind HTTP would), and prints per chunk
 count the mean step time and its parts over the steps after the first, the time the turn barrier
 still waited for the last part's scoring (`overlap_wait_s`), the speed-up over one chunk, and
 whether the rollouts (rollouts.jsonl) and training rewards are byte-identical to one chunk's. It
 asserts nothing.
 
-    python bench/bench_overlap.py                              # tiny model, chunks 1 2 4, ~2 min on 2 cores
+    python bench/bench_overlap.py                              # tiny model, chunks 1 2 4, ~1 min on 2 cores
     python bench/bench_overlap.py --score-ms 0 --feedback-ms 0 # no latency: what the smaller decodes cost
     python bench/bench_overlap.py --chunks 1 2 --extra trainer.batch_size=4
 
 With one chunk a turn generates all its nodes, then scores, then asks for feedback; with C chunks it
 generates 1/C of the nodes at a time and scores (and gives feedback to) each part in a second thread
-while the next part generates. Only the last part's scoring and feedback stay on the critical path,
-but each decode batch is C times smaller.
+while the next part generates (one part at a time: a single scoring thread). At best this hides
+the generation of all parts but the first behind scoring, or the scoring of all parts but the last
+behind generation, whichever is shorter; each decode batch is C times smaller.
 """
 from __future__ import annotations
 
@@ -70,9 +71,9 @@ def main(argv=None) -> int:
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--chunks", type=int, nargs="+", default=[1, 2, 4], help="overlap_chunks values (default 1 2 4)")
-    p.add_argument("--score-ms", type=float, default=200.0, help="wait per scoring call (default 200)")
-    p.add_argument("--feedback-ms", type=float, default=200.0,
-                   help="wait per feedback branch (default 200; external.max_concurrency at once)")
+    p.add_argument("--score-ms", type=float, default=5.0, help="wait per scored joint action (default 5)")
+    p.add_argument("--feedback-ms", type=float, default=100.0,
+                   help="wait per feedback branch (default 100; external.max_concurrency at once)")
     p.add_argument("--steps", type=int, default=3, help="training steps; the first is not timed (default 3)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--k", type=int, default=4)
@@ -85,7 +86,7 @@ def main(argv=None) -> int:
     print(cpu_state())
     print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {os.cpu_count()} CPUs; batch {args.batch_size} "
           f"trees, K={args.k}, {args.mode}, {args.max_new_tokens} new tokens, {args.steps} steps (the first not "
-          f"timed); scoring waits {args.score_ms:g} ms per call, feedback {args.feedback_ms:g} ms per branch")
+          f"timed); scoring waits {args.score_ms:g} ms per joint action, feedback {args.feedback_ms:g} ms per branch")
     print(f"{'chunks':>6} " + " ".join(f"{p + '_s':>15}" for p in PHASES) + f" {'speed-up':>8}  same rollouts")
     base: tuple[dict, str, list] | None = None
     with tempfile.TemporaryDirectory() as tmp:

@@ -2,9 +2,10 @@
 feedback function registered by name (`plugins=[latency_task] env=slow_length_ratio
 external.mode=slow_length_ratio`).
 
-Scoring waits `env.score_ms` per call (one call per scored part of a turn: a sandbox batch or a
-reward model behind HTTP) and the feedback waits `env.feedback_ms` per branch (an expert behind
-HTTP; branches run `external.max_concurrency` at once). Waiting is `time.sleep`, which frees the
+Scoring waits `env.score_ms` per joint action (a sandbox running each program in turn, or a reward
+model behind HTTP: the wait grows with the work, however a turn is cut into parts) and the feedback
+waits `env.feedback_ms` per branch (an expert behind HTTP; branches run `external.max_concurrency`
+at once). Waiting is `time.sleep`, which frees the
 CPU and the GIL as a network wait does, so what overlap can hide is exactly that latency.
 """
 from __future__ import annotations
@@ -23,7 +24,7 @@ class SlowLengthRatioEnv(LengthRatioEnv):
     @dataclass
     class Config(LengthRatioEnv.Config):
         score_ms: float = 0.0
-        """Milliseconds every scoring call waits (one call per scored part of a turn)."""
+        """Milliseconds scoring waits per joint action."""
         feedback_ms: float = 0.0
         """Milliseconds the feedback function waits per branch."""
 
@@ -31,7 +32,7 @@ class SlowLengthRatioEnv(LengthRatioEnv):
     context_keys = frozenset({"feedback_ms"})
 
     def score(self, problems: Sequence[Mapping[str, Any]], joint_completions: Sequence[Sequence[str]]) -> list[Scored]:
-        time.sleep(self.cfg.score_ms / 1000)
+        time.sleep(self.cfg.score_ms / 1000 * len(joint_completions))
         return [Scored(s.reward, s.outcomes, {"feedback_ms": self.cfg.feedback_ms})
                 for s in super().score(problems, joint_completions)]
 
