@@ -20,7 +20,7 @@ BACKENDS: Registry[Callable[["TrainConfig", "list[Agent]"], GenerationBackend]] 
 def _hf(cfg: "TrainConfig", agents: "list[Agent]") -> GenerationBackend:
     from .hf_backend import HFBackend
 
-    return HFBackend(agents, cfg.generation.max_batch_rows, cfg.generation.compile)
+    return HFBackend(agents, cfg.generation.max_batch_rows)
 
 
 @BACKENDS.register("vllm")

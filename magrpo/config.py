@@ -62,10 +62,6 @@ class GenerationConfig:
     """Keep the k most likely tokens; 0 = off."""
     max_batch_rows: int = 0
     """Split a generate call into chunks of at most this many sequences; 0 = one call (fastest)."""
-    compile: bool = False
-    """backend=hf: run each decode step's forward through torch.compile (dynamic shapes). Each new layout of
-    rows per agent compiles once (25-55 s on a 2-core CPU) and tokens may differ from the eager path by float
-    rounding; pays only on long runs of small models (docs/benchmarks.md). false = eager."""
     overlap_chunks: int = 1
     """Generate each turn's nodes in this many parts and score each part (and give it its feedback, unless
     trainer.resample_zero_std is on) in a second thread while the next part generates: hides slow scoring or

@@ -22,11 +22,9 @@ from .tree import Completion
 
 
 class HFBackend:
-    def __init__(self, agents: Sequence[Agent], max_batch_rows: int = 0, compile: bool = False):
+    def __init__(self, agents: Sequence[Agent], max_batch_rows: int = 0):
         self.agents = list(agents)
         self.max_batch_rows = max_batch_rows  # 0 = everything in one call
-        self.compile = compile
-        self.compiled: dict[int, torch.nn.Module] = {}  # per base model: its compiled per-token forward
         self.generate_calls = 0
         self.generated_tokens = 0
         self.largest_chunk = 0  # rows of the biggest decode so far (what an out-of-memory halves)
@@ -76,14 +74,6 @@ class HFBackend:
             self.routing[id(model)] = RowAdapters(model)
         return self.routing[id(model)]
 
-    def _step_forward(self, model: torch.nn.Module):
-        """The model, compiled once per base model with dynamic shapes when generation.compile is on."""
-        if not self.compile:
-            return model
-        if id(model) not in self.compiled:
-            self.compiled[id(model)] = torch.compile(model, dynamic=None)
-        return self.compiled[id(model)]
-
     def _generate_rows(self, requests, rows: list[int], keys: list[int], prompt_ids: dict[int, list[int]],
                        params: SamplingParams):
         first = self.agents[requests[rows[0]].agent]
@@ -103,7 +93,6 @@ class HFBackend:
             pad_id=tok.pad_token_id,
             eos_ids=eos,
             routing=self._routing(model),
-            step_forward=self._step_forward(model),
         )
         self.generate_calls += 1
         completions = []
@@ -144,7 +133,6 @@ def decode(
     eos_ids: list[int],
     drop_finished: bool = True,
     routing: RowAdapters | None = None,
-    step_forward: torch.nn.Module | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Sample completions for rows `expand` (an index into `prompts`, repeated for n samples).
 
@@ -199,9 +187,8 @@ def decode(
                 finished = finished[keep]
                 route = routing.rows([row_adapters[i] for i in alive.tolist()])
             attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=-1)
-            out = (model if step_forward is None else step_forward)(input_ids=nxt[:, None], attention_mask=attention,
-                                          position_ids=positions[:, None], past_key_values=cache, use_cache=True,
-                                          **route)
+            out = model(input_ids=nxt[:, None], attention_mask=attention, position_ids=positions[:, None],
+                        past_key_values=cache, use_cache=True, **route)
             cache, logits, positions = out.past_key_values, out.logits[:, -1], positions + 1
     return new.cpu(), (new_logprobs.cpu() if new_logprobs is not None else None)
 

@@ -208,9 +208,6 @@ def _validate_backend(cfg: TrainConfig) -> None:
         raise ConfigError(
             "generation.temperature", f"vLLM samples at temperatures up to 2, got {cfg.generation.temperature}"
         )
-    if cfg.backend != "hf" and cfg.generation.compile:
-        raise ConfigError("generation.compile", f"applies to backend=hf only, got backend={cfg.backend} "
-                          "(vLLM compiles its own graphs: vllm.enforce_eager=false)")
     if cfg.backend == "vllm" and importlib.util.find_spec("vllm") is None:
         raise ConfigError("backend", f"vllm is not installed in this Python: {VLLM_INSTALL}")
 
