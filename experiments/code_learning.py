@@ -259,19 +259,35 @@ def run(sizes: Sizes, selection: Path, out: Path, variants: Sequence[str]) -> li
             v = VARIANTS[name]
             run_dir = out / "runs" / name / f"seed{seed}"
             dirs.append(run_dir)
+            per_step = tree_size("align", sizes.k, v.agents, v.turns)[1] * batch_size(v, sizes)
+            info = {"variant": name, "seed": seed, **asdict(v), "completions_per_step": per_step,
+                    "train_problems": n_train, "sizes": asdict(sizes)}
             if finished(run_dir, sizes.steps):
                 check_same_settings(run_dir, overrides(name, seed, sizes, dataset, n_train, run_dir))
                 print(f"run: {name} seed {seed} already finished in {run_dir}", file=sys.stderr)
+                if not (run_dir / "experiment.json").is_file():  # stopped between training and this record
+                    write_info(run_dir, {**info, **_provenance(time.perf_counter()), **timed_by_metrics(run_dir)})
                 continue
             start = time.perf_counter()
             code = train_main(overrides(name, seed, sizes, dataset, n_train, run_dir))
             if code:
                 raise SystemExit(f"run: {name} seed {seed} failed (exit {code}); see {run_dir}")
-            per_step = tree_size("align", sizes.k, v.agents, v.turns)[1] * batch_size(v, sizes)
-            info = {"variant": name, "seed": seed, **asdict(v), "completions_per_step": per_step,
-                    "train_problems": n_train, "sizes": asdict(sizes), **_provenance(start)}
-            (run_dir / "experiment.json").write_text(json.dumps(info, indent=1) + "\n")
+            write_info(run_dir, {**info, **_provenance(start)})
     return dirs
+
+
+def write_info(run_dir: Path, info: dict[str, Any]) -> None:
+    """experiment.json: what `report` reads of a finished run (a run dir without one is not reported)."""
+    (run_dir / "experiment.json").write_text(json.dumps(info, indent=1) + "\n")
+
+
+def timed_by_metrics(run_dir: Path) -> dict[str, Any]:
+    """A finished run whose wall time was never recorded: its logged step and evaluation seconds."""
+    from magrpo.report import load_metrics
+
+    records = load_metrics(run_dir)
+    seconds = sum(r.get("perf/step_s", 0.0) + r.get("perf/eval_s", 0.0) for r in records)
+    return {"seconds": round(seconds, 1), "seconds_from": "metrics.jsonl (perf/step_s + perf/eval_s)"}
 
 
 # ------------------------------------------------------------------------------------------ report
@@ -312,6 +328,12 @@ def load_runs(out: Path) -> dict[str, dict[int, tuple[list[dict], dict]]]:
         runs.setdefault(info["variant"], {})[info["seed"]] = (load_metrics(info_path.parent), info)
     order = [*VARIANTS, *sorted(set(runs) - set(VARIANTS))]  # the reference first
     return {name: dict(sorted(runs[name].items())) for name in order if name in runs}
+
+
+def unfinished(out: Path) -> list[str]:
+    """Run dirs under out/runs that have no experiment.json (running, stopped or failed): not reported."""
+    return [str(d.relative_to(out)) for d in sorted((out / "runs").glob("*/seed*"))
+            if d.is_dir() and not (d / "experiment.json").is_file()]
 
 
 def table(runs: dict[str, dict[int, tuple[list[dict], dict]]]) -> str:
@@ -478,6 +500,10 @@ def report(out: Path, doc: Path, image: Path) -> str:
             f"held-out: HumanEval {HELD_OUT_SPLIT}.",
             f"Sizes: {json.dumps(next(iter(next(iter(runs.values())).values()))[1].get('sizes', 'not recorded'))}.",
             "", f"![results]({os.path.relpath(image, doc.parent)})", ""]
+    missing = unfinished(out)
+    if missing:  # a partial report must say so
+        head[-2:-2] = ["", f"**Not in these tables** (no experiment.json: running, stopped or failed): "
+                           f"{', '.join(missing)}."]
     text = ("\n".join(head) + "\n" + table(runs) + per_step(runs)
             + "\n**Training diagnostics** (mean ± sd over seeds)\n\n" + diagnostics(runs))
     doc.parent.mkdir(parents=True, exist_ok=True)

@@ -97,6 +97,32 @@ def test_report_gives_mean_and_spread_over_seeds_before_and_after(exp, tmp_path)
     assert "aux defined" not in single  # one agent writes no helper
     assert "2026-01-01 00:00 UTC" in text and "test box" in text and "](img/results.png)" in text
     assert "per evaluation step" not in text  # evaluated before and after only
+    assert "Not in these tables" not in text
+
+
+def test_report_names_run_dirs_it_leaves_out(exp, tmp_path):
+    fake_run(tmp_path, "level_feedback", 0, 2, before=0.2, after=0.4, rewards=[1.0, 2.0])
+    (tmp_path / "runs" / "plain" / "seed0").mkdir(parents=True)  # still running: no experiment.json
+    text = exp.report(tmp_path, tmp_path / "results.md", tmp_path / "results.png")
+    assert "**Not in these tables** (no experiment.json: running, stopped or failed): runs/plain/seed0." in text
+
+
+def test_a_finished_run_without_its_record_gets_one_timed_by_its_metrics(exp, tmp_path, monkeypatch):
+    """Stopped after training but before experiment.json: `run` must not leave it out of the report."""
+    from dataclasses import replace
+
+    sizes = replace(exp.SMOKE, steps=2, eval_every=1)
+    selection = tmp_path / "selection.json"
+    selection.write_text(json.dumps({"selected": ["HumanEval/0"]}))
+    run_dir = tmp_path / "runs" / "plain" / "seed0"
+    fake_run(tmp_path, "plain", 0, 2, before=0.2, after=0.4, rewards=[1.0, 2.0])
+    (run_dir / "experiment.json").unlink()
+    monkeypatch.setattr(exp, "check_same_settings", lambda run_dir, wanted: None)
+    monkeypatch.setattr("magrpo.cli.main", lambda argv: pytest.fail("a finished run was trained again"))
+    exp.run(sizes, selection, tmp_path, ["plain"])
+    info = json.loads((run_dir / "experiment.json").read_text())
+    assert info["variant"] == "plain" and info["seconds"] == 2.0  # the fake's two evaluations, 1 s each
+    assert info["seconds_from"].startswith("metrics.jsonl")
 
 
 def test_report_gives_every_held_out_metric_per_evaluation_step(exp, tmp_path):
