@@ -158,6 +158,8 @@ def decode(
     new = torch.full((len(expand), steps), pad_id, dtype=torch.long, device=device)
     new_logprobs = torch.zeros(len(expand), steps, device=device) if params.logprobs else None
     alive = torch.arange(len(expand), device=device)  # the rows still in the batch, in row order
+    # Every row's uniform for every step at once (row r, step t: draw t of stream stream_keys[r]).
+    uniforms = None if params.greedy else stream_uniforms(stream_keys, torch.arange(steps, device=device))
     finished = torch.zeros(len(expand), dtype=torch.bool, device=device)  # per batch row
     with (routing or RowAdapters(model)).active() as routing:
         out = model(input_ids=ids, attention_mask=attention, position_ids=(attention.cumsum(-1) - 1).clamp(min=0),
@@ -170,7 +172,7 @@ def decode(
         route = routing.rows(row_adapters)
         for step in range(steps):
             logp = sampling_logprobs(logits, params.temperature, params.top_k, params.top_p)
-            nxt = logp.argmax(-1) if params.greedy else sample(logp, stream_uniforms(stream_keys[alive], step))
+            nxt = logp.argmax(-1) if params.greedy else sample(logp, uniforms[alive, step])
             if new_logprobs is not None:
                 new_logprobs[alive, step] = logp.gather(-1, nxt[:, None]).squeeze(-1)
             nxt = torch.where(finished, torch.full_like(nxt, pad_id), nxt)

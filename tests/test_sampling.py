@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from magrpo.sampling import hash32, sample, sampling_logprobs, stream_key, stream_uniforms, top_p_keep
+from magrpo.sampling import MASK32, hash32, sample, sampling_logprobs, stream_key, stream_uniforms, top_p_keep
 
 
 def test_temperature_scales_logits_before_softmax():
@@ -124,3 +124,12 @@ def test_top_p_widens_until_the_ranked_tokens_hold_p():
     scores[1, 0] = 20.0  # one dominant token: the first 64 ranked suffice
     kept = top_p_keep(scores, 0.9, first_k=4)
     assert kept[0].sum() == 900 and kept[1].sum() == 1
+
+
+def test_a_table_of_stream_uniforms_holds_exactly_each_step_s_draws():
+    """The decode loop draws every step's uniforms at once: column t must be draw t, bit for bit."""
+    keys = torch.tensor([stream_key(3, i) for i in range(50)] + [0, MASK32])  # and the extreme keys
+    table = stream_uniforms(keys, torch.arange(40))
+    assert table.shape == (52, 40) and table.dtype == torch.float64
+    for t in range(40):
+        assert torch.equal(table[:, t], stream_uniforms(keys, t))
