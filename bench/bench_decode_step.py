@@ -1,0 +1,122 @@
+"""What one decode step's model forward costs, and what two ideas for cutting it would give.
+
+    python bench/bench_decode_step.py steps      # tiny model: dynamic cache, static cache, compiled (~3 min)
+    python bench/bench_decode_step.py prefill    # SmolLM2-135M: a code-env turn-2 prefill, whole and shared
+
+`steps`: the tiny model with two agents' LoRA adapters (routed per row by the HF backend's
+RowAdapters, as in training), a 16-token prompt per row, then 32 greedy decode steps, timed per step
+for: the eager forward with the dynamic KV cache (what magrpo runs), the eager forward with a
+`StaticCache`, and that forward through `torch.compile` at a fixed shape (compile time printed). It
+prints min and median ms per step over repeats and whether the three gave the same tokens.
+
+`prefill`: SmolLM2-135M prefills of the shapes a code-env tree's second turn needs (8 prompts of
+~350 tokens: 4 nodes x 2 agents) against the same work with each agent's ~170-token shared prefix run
+once (2 x 170, then 8 x 180), min of 3; plus one decode step at 32 rows for scale. It asserts nothing.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+def decode_steps(model, ids: torch.Tensor, steps: int, forward, static: bool) -> tuple[float, torch.Tensor]:
+    """Seconds for `steps` greedy decode steps after a prefill of `ids`, and the tokens."""
+    from transformers import StaticCache
+
+    prompt = ids.shape[1]
+    cache = StaticCache(config=model.config, max_cache_len=prompt + steps + 1) if static else None
+    out = model(input_ids=ids, past_key_values=cache, use_cache=True, cache_position=torch.arange(prompt))
+    cache, nxt, tokens = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True), []
+    start = time.perf_counter()
+    for step in range(steps):
+        nxt = forward(nxt, cache, torch.tensor([prompt + step]))[:, -1].argmax(-1, keepdim=True)
+        tokens.append(nxt)
+    return time.perf_counter() - start, torch.cat(tokens, 1)
+
+
+def steps(args) -> None:
+    from magrpo.cli import compose
+    from magrpo.hf_backend import RowAdapters
+    from magrpo.models import load_agents
+
+    torch.manual_seed(0)
+    agents = load_agents(compose(["model=tiny", "env=length_ratio", "external=length_ratio"]), 2)
+    model = agents[0].model.eval()
+    for name, param in model.named_parameters():  # peft starts B at zero: make the adapters change something
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.02)
+    routing = RowAdapters(model)
+
+    def eager(nxt, cache, position):
+        return model(input_ids=nxt, past_key_values=cache, use_cache=True, cache_position=position,
+                     position_ids=position[None].expand(nxt.shape[0], 1)).logits
+
+    with torch.no_grad(), routing.active():
+        for rows in args.rows:
+            ids = torch.randint(10, 1000, (rows, 16))
+            routing.rows([agents[0].adapter] * (rows // 2) + [agents[1].adapter] * (rows - rows // 2))
+            compiled = torch.compile(eager, dynamic=False)
+            start = time.perf_counter()
+            decode_steps(model, ids, args.steps, compiled, static=True)
+            compile_s = time.perf_counter() - start
+            kinds = {"dynamic cache": (eager, False), "static cache": (eager, True),
+                     "static cache, compiled": (compiled, True)}
+            times: dict[str, list[float]] = {kind: [] for kind in kinds}
+            tokens = {}
+            for _ in range(args.repeats):  # interleaved: drifts in machine speed hit all three alike
+                for kind, (forward, static) in kinds.items():
+                    seconds, tokens[kind] = decode_steps(model, ids, args.steps, forward, static)
+                    times[kind].append(seconds / args.steps * 1000)
+            same = all(torch.equal(t, tokens["dynamic cache"]) for t in tokens.values())
+            print(f"{rows} rows (compiling took {compile_s:.1f} s; same tokens: {'yes' if same else 'NO'}):")
+            for kind, ms in times.items():
+                print(f"  {kind:<24} min {min(ms):6.2f} ms/step, median {sorted(ms)[len(ms) // 2]:6.2f}")
+
+
+def prefill(args) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from magrpo.pretrained import offline_model_path
+
+    model = AutoModelForCausalLM.from_pretrained(offline_model_path("smollm2-135m"), dtype=torch.float32).eval()
+    with torch.no_grad():
+        for label, rows, length in [("turn-2 prefill, whole prompts", 8, 350), ("shared prefixes", 2, 170),
+                                    ("the rest of each prompt", 8, 180)]:
+            ids = torch.randint(100, 40000, (rows, length))
+            seconds = []
+            for _ in range(3):
+                start = time.perf_counter()
+                model(input_ids=ids, logits_to_keep=1)
+                seconds.append(time.perf_counter() - start)
+            print(f"{label:<32} {rows} x {length} tokens: min {min(seconds):.3f} s")
+        out = model(input_ids=torch.randint(100, 40000, (32, 400)), use_cache=True, logits_to_keep=1)
+        seconds = []
+        for _ in range(10):
+            start = time.perf_counter()
+            out = model(input_ids=torch.randint(100, 40000, (32, 1)), past_key_values=out.past_key_values,
+                        use_cache=True)
+            seconds.append(time.perf_counter() - start)
+        print(f"{'one decode step':<32} 32 rows, 400 cached: min {min(seconds):.3f} s")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("what", choices=["steps", "prefill"])
+    p.add_argument("--rows", type=int, nargs="+", default=[2, 8, 32], help="steps: rows per decode (default 2 8 32)")
+    p.add_argument("--steps", type=int, default=32, help="steps: decode steps per run (default 32)")
+    p.add_argument("--repeats", type=int, default=7, help="steps: timed runs of each kind (default 7)")
+    args = p.parse_args(argv)
+    {"steps": steps, "prefill": prefill}[args.what](args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
