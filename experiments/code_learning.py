@@ -502,8 +502,8 @@ def report(out: Path, doc: Path, image: Path) -> str:
             "", f"![results]({os.path.relpath(image, doc.parent)})", ""]
     missing = unfinished(out)
     if missing:  # a partial report must say so
-        head[-2:-2] = ["", f"**Not in these tables** (no experiment.json: running, stopped or failed): "
-                           f"{', '.join(missing)}."]
+        head[-2:-2] = [f"**Not in these tables** (no experiment.json: running, stopped or failed): "
+                       f"{', '.join(missing)}.", ""]
     text = ("\n".join(head) + "\n" + table(runs) + per_step(runs)
             + "\n**Training diagnostics** (mean ± sd over seeds)\n\n" + diagnostics(runs))
     doc.parent.mkdir(parents=True, exist_ok=True)
