@@ -221,7 +221,7 @@ def finished(run_dir: Path, steps: int) -> bool:
     from magrpo.report import ReportError, load_metrics
 
     try:
-        return any(r["step"] == steps and "perf/eval_s" in r for r in load_metrics(run_dir))
+        return steps in evaluations(load_metrics(run_dir))
     except ReportError:
         return False
 
@@ -301,10 +301,9 @@ LEVELS = [("reward (greedy)", "greedy_reward_mean"), ("aux defined", "greedy_aux
 
 def before_after(records: list[dict]) -> tuple[dict, dict]:
     """The evaluation before the first step (step 0) and the last one after it."""
-    evals = [r for r in records if "perf/eval_s" in r]
-    before = next((r for r in evals if r["step"] == 0), {})
-    later = [r for r in evals if r["step"] > 0]
-    return before, (later[-1] if later else {})
+    evals = evaluations(records)
+    later = [step for step in evals if step > 0]
+    return evals.get(0, {}), (evals[max(later)] if later else {})
 
 
 def mean_sd(values: Sequence[float]) -> str:
