@@ -1,6 +1,7 @@
 """Shared fixtures: a composed, shrunk config for end-to-end tests on the tiny model (CPU, seconds)."""
 from __future__ import annotations
 
+import importlib.util
 import socket
 import sys
 import threading
@@ -31,6 +32,21 @@ SMALL = [
     "eval.num_samples=2",
     "logging.wandb.mode=disabled",  # tests that check wandb turn it on
 ]
+
+
+BENCH = ROOT / "bench"
+
+
+def load_bench(name: str):
+    """bench/<name>.py as the benchmarks import one another (bench/ on sys.path, one module per name):
+    a plugin it registers is then registered once, and dataclasses find their module."""
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
+    return sys.modules[name]
 
 
 LOCAL_HOSTS = {None, "", "localhost", "127.0.0.1", "::1", "0.0.0.0"}

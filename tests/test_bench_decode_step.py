@@ -3,18 +3,13 @@ compares their tokens (torch.compile replaced by the eager function here: compil
 seconds, and what it costs is the benchmark's business, not a test's)."""
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import torch
 
-BENCH = Path(__file__).resolve().parent.parent / "bench" / "bench_decode_step.py"
+from tests.conftest import load_bench
 
 
 def test_the_decode_step_probe_times_every_kind(capsys, monkeypatch):
-    spec = importlib.util.spec_from_file_location("bench_decode_step", BENCH)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_bench("bench_decode_step")
     monkeypatch.setattr(torch, "compile", lambda fn, **options: fn)
     assert bench.main(["steps", "--rows", "2", "--steps", "3", "--repeats", "1"]) == 0
     out = capsys.readouterr().out

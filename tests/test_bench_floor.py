@@ -2,21 +2,11 @@
 and times their floor (the numbers themselves are the benchmark's business, not a test's)."""
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-BENCH = Path(__file__).resolve().parent.parent / "bench" / "bench_floor.py"
-
-
-def load_bench():
-    spec = importlib.util.spec_from_file_location("bench_floor", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.conftest import load_bench
 
 
 def test_the_floor_benchmark_measures_every_phase_of_a_step():
-    bench = load_bench()
+    bench = load_bench("bench_floor")
     result = bench.measure(["trainer.batch_size=1", "trainer.num_generations=2", "trainer.num_turns=2",
                             "generation.max_new_tokens=4"], steps=1)
     assert list(result) == ["generate", "score", "feedback", "update", "step"]

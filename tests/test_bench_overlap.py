@@ -3,28 +3,13 @@ reward and feedback, and a one-step run per chunk count prints a row each with t
 byte-identical to one chunk's (the timings are the benchmark's business, not a test's)."""
 from __future__ import annotations
 
-import importlib.util
-import sys
 import time
-from pathlib import Path
 
-BENCH = Path(__file__).resolve().parent.parent / "bench"
-
-
-def load(name: str):
-    if str(BENCH) not in sys.path:
-        sys.path.insert(0, str(BENCH))
-    if name in sys.modules:  # the plugin registers names: import it once, as magrpo's plugins= does
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+from tests.conftest import load_bench
 
 
 def test_the_latency_plugin_waits_and_keeps_the_toy_task():
-    task = load("latency_task")
+    task = load_bench("latency_task")
     from magrpo.envs.length_ratio import LengthRatioEnv, length_ratio_feedback
 
     env = task.SlowLengthRatioEnv(task.SlowLengthRatioEnv.Config(score_ms=30, feedback_ms=7))
@@ -45,7 +30,7 @@ def test_the_latency_plugin_waits_and_keeps_the_toy_task():
 
 
 def test_the_overlap_benchmark_compares_chunk_counts(capsys):
-    bench = load("bench_overlap")
+    bench = load_bench("bench_overlap")
     assert bench.main(["--chunks", "2", "--steps", "1", "--batch-size", "2", "--k", "2", "--max-new-tokens", "4",
                        "--score-ms", "1", "--feedback-ms", "1"]) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.split()[:1] in (["1"], ["2"])]

@@ -3,33 +3,21 @@
 code env with SmolLM2. CoMLRL itself is not needed here."""
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-BENCH = Path(__file__).resolve().parent.parent / "bench" / "bench_vs_comlrl.py"
-
-
-def load_bench():
-    spec = importlib.util.spec_from_file_location("bench_vs_comlrl", BENCH)
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = bench  # dataclasses look their module up there
-    spec.loader.exec_module(bench)
-    return bench
+from tests.conftest import load_bench
 
 
 @pytest.mark.parametrize("task", ["length_ratio", "keyword_relay"])
 def test_the_magrpo_side_of_the_comparison_runs_on_each_task(task):
-    bench = load_bench()
+    bench = load_bench("bench_vs_comlrl")
     out = bench.run_magrpo(bench.TASKS[task], "align", prompts=2, batch_size=2, turns=2, seed=0, quiet=True)
     assert out["prompts"] == 2 and len(out["step_s"]) == 1
     assert out["nodes"] == 2 * (1 + bench.K)  # align, T=2: a root and K children per prompt
 
 
 def test_the_keyword_relay_task_scores_and_feeds_back_what_its_docstring_says():
-    bench = load_bench()
+    bench = load_bench("bench_vs_comlrl")
     task = bench.TASKS["keyword_relay"]
     env = task.environment()
     problem = env.problems("train")[0]
