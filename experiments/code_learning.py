@@ -337,11 +337,12 @@ def unfinished(out: Path) -> list[str]:
 
 def table(runs: dict[str, dict[int, tuple[list[dict], dict]]]) -> str:
     """Markdown: one overview table, then per variant the held-out metrics per turn before and after."""
-    lines = ["| variant | agents | turns | feedback | seeds | completions/step | minutes per run |",
+    lines = ["| variant | agents | turns | feedback | seeds | completions/step | minutes per run, by seed |",
              "|---|---|---|---|---|---|---|"]
     for name, seeds in runs.items():
         info = next(iter(seeds.values()))[1]
-        minutes = mean_sd([i["seconds"] / 60 for _, i in seeds.values()])
+        # each seed's own time, not mean ± sd: one run slowed by a job beside it must stay visible
+        minutes = ", ".join(f"{seeds[s][1]['seconds'] / 60:.1f}" for s in sorted(seeds))
         lines.append(f"| {name} | {info['agents']} | {info['turns']} | {info['feedback']} | "
                      f"{', '.join(map(str, sorted(seeds)))} | {info['completions_per_step']} | {minutes} |")
     for name, seeds in runs.items():

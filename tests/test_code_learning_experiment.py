@@ -59,7 +59,7 @@ def test_dataset_holds_the_selected_train_problems_then_every_held_out_one(exp, 
     assert "env.train_split='test[:2]'" in overrides and "env.eval_split='test[2:]'" in overrides
 
 
-def fake_run(root, variant, seed, agents, before, after, rewards, between=()):
+def fake_run(root, variant, seed, agents, before, after, rewards, between=(), seconds=600.0):
     """A finished run dir: eval at step 0, after each step given a value in `between` (--eval-every)
     and after the last step, a training reward per step."""
     run_dir = root / "runs" / variant / f"seed{seed}"
@@ -76,18 +76,18 @@ def fake_run(root, variant, seed, agents, before, after, rewards, between=()):
     records[-1].update(evaluation(len(rewards), after))
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     info = {"variant": variant, "seed": seed, "agents": agents, "turns": 2, "feedback": "level_feedback",
-            "completions_per_step": 40, "seconds": 600.0, "date": "2026-01-01 00:00 UTC", "machine": "test box"}
+            "completions_per_step": 40, "seconds": seconds, "date": "2026-01-01 00:00 UTC", "machine": "test box"}
     (run_dir / "experiment.json").write_text(json.dumps(info))
 
 
 def test_report_gives_mean_and_spread_over_seeds_before_and_after(exp, tmp_path):
     fake_run(tmp_path, "level_feedback", 0, 2, before=0.2, after=0.4, rewards=[1.0, 2.0])
-    fake_run(tmp_path, "level_feedback", 1, 2, before=0.4, after=0.4, rewards=[1.0, 3.0])
+    fake_run(tmp_path, "level_feedback", 1, 2, before=0.4, after=0.4, rewards=[1.0, 3.0], seconds=720.0)
     fake_run(tmp_path, "single_agent", 0, 1, before=0.1, after=0.2, rewards=[0.5, 0.5])
     doc, image = tmp_path / "docs" / "results.md", tmp_path / "docs" / "img" / "results.png"
     text = exp.report(tmp_path, doc, image)
     assert doc.read_text() == text and image.stat().st_size > 0
-    assert "| level_feedback | 2 | 2 | level_feedback | 0, 1 | 40 | 10.000 ± 0.000 |" in text
+    assert "| level_feedback | 2 | 2 | level_feedback | 0, 1 | 40 | 10.0, 12.0 |" in text  # minutes by seed
     # pass@1 greedy turn 1: before (0.2, 0.4), after (0.4, 0.4), change (0.2, 0.0); sample sd
     assert "| tests passed = pass@1 greedy | 1 | 0.300 ± 0.141 | 0.400 ± 0.000 | 0.100 ± 0.141 |" in text
     assert "| pass@4 sampled | 2 | 0.300 ± 0.141 |" in text
