@@ -30,6 +30,7 @@ import re
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
+from itertools import zip_longest
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -152,10 +153,27 @@ def select(sizes: Sizes, out: Path, seed: int = 0) -> dict[str, Any]:
         "samples": sizes.select_samples, "temperature": g.temperature, "top_p": g.top_p,
         "max_new_tokens": g.max_new_tokens, "split": TRAIN_SPLIT, "seed": seed, **_provenance(start),
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(selection, indent=1) + "\n")
+    save_selection(selection, out)
     print(f"select: {len(selection['selected'])} of {len(ids)} train problems kept -> {out}", file=sys.stderr)
     return selection
+
+
+def save_selection(selection: dict[str, Any], path: Path) -> Path:
+    """Write the selection to `path`, unless runs beside it trained on another one (`all` twice with
+    other --candidates): those would be kept and reported as if trained on this one. Then it goes to
+    selection.rejected.json and the command stops."""
+    runs = path.parent / "runs"
+    if path.is_file() and any(runs.glob("*/seed*")):
+        old = json.loads(path.read_text()).get("selected")
+        if old != selection["selected"]:
+            rejected = path.with_name("selection.rejected.json")
+            rejected.write_text(json.dumps(selection, indent=1) + "\n")
+            raise SystemExit(f"select: {runs} holds runs trained on the {len(old or [])} problems of {path}; "
+                             f"this selection keeps {len(selection['selected'])} others (saved in {rejected}): "
+                             f"pass another --out, or remove {runs} to train on it")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(selection, indent=1) + "\n")
+    return path
 
 
 def _provenance(start: float) -> dict[str, Any]:
@@ -247,12 +265,25 @@ def check_same_settings(run_dir: Path, wanted: Sequence[str]) -> None:
                              f"pass another --out (or the options that run had)")
 
 
+def check_same_problems(run_dir: Path, selected: Sequence[str], selection: Path) -> None:
+    """A finished run kept from an earlier call must have trained on these problems (the data file
+    is rewritten from the selection, and its path says nothing of what it held); exits otherwise.
+    Records written before train_ids was recorded are not checked."""
+    record = run_dir / "experiment.json"
+    trained = json.loads(record.read_text()).get("train_ids") if record.is_file() else None
+    if trained is not None and list(trained) != list(selected):
+        raise SystemExit(f"run: {run_dir} trained on other problems ({len(trained)}) than the {len(selected)} "
+                         f"of {selection} (first difference, kept vs selected: "
+                         f"{next((a, b) for a, b in zip_longest(trained, selected) if a != b)}); pass another --out")
+
+
 def run(sizes: Sizes, selection: Path, out: Path, variants: Sequence[str]) -> list[Path]:
     """One training run per variant and seed, each in out/runs/<variant>/seed<seed>; finished runs are kept."""
     from magrpo.cli import main as train_main
     from magrpo.tree import tree_size
 
-    dataset, n_train = write_dataset(json.loads(selection.read_text())["selected"], out / "data")
+    selected = json.loads(selection.read_text())["selected"]
+    dataset, n_train = write_dataset(selected, out / "data")
     dirs = []
     for seed in sizes.seeds:
         for name in variants:
@@ -261,9 +292,10 @@ def run(sizes: Sizes, selection: Path, out: Path, variants: Sequence[str]) -> li
             dirs.append(run_dir)
             per_step = tree_size("align", sizes.k, v.agents, v.turns)[1] * batch_size(v, sizes)
             info = {"variant": name, "seed": seed, **asdict(v), "completions_per_step": per_step,
-                    "train_problems": n_train, "sizes": asdict(sizes)}
+                    "train_problems": n_train, "train_ids": selected, "sizes": asdict(sizes)}
             if finished(run_dir, sizes.steps):
                 check_same_settings(run_dir, overrides(name, seed, sizes, dataset, n_train, run_dir))
+                check_same_problems(run_dir, selected, selection)
                 print(f"run: {name} seed {seed} already finished in {run_dir}", file=sys.stderr)
                 if not (run_dir / "experiment.json").is_file():  # stopped between training and this record
                     write_info(run_dir, {**info, **_provenance(time.perf_counter()), **timed_by_metrics(run_dir)})

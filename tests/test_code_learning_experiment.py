@@ -59,7 +59,7 @@ def test_dataset_holds_the_selected_train_problems_then_every_held_out_one(exp, 
     assert "env.train_split='test[:2]'" in overrides and "env.eval_split='test[2:]'" in overrides
 
 
-def fake_run(root, variant, seed, agents, before, after, rewards, between=(), seconds=600.0):
+def fake_run(root, variant, seed, agents, before, after, rewards, between=(), seconds=600.0, **record):
     """A finished run dir: eval at step 0, after each step given a value in `between` (--eval-every)
     and after the last step, a training reward per step."""
     run_dir = root / "runs" / variant / f"seed{seed}"
@@ -76,7 +76,8 @@ def fake_run(root, variant, seed, agents, before, after, rewards, between=(), se
     records[-1].update(evaluation(len(rewards), after))
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     info = {"variant": variant, "seed": seed, "agents": agents, "turns": 2, "feedback": "level_feedback",
-            "completions_per_step": 40, "seconds": seconds, "date": "2026-01-01 00:00 UTC", "machine": "test box"}
+            "completions_per_step": 40, "seconds": seconds, "date": "2026-01-01 00:00 UTC", "machine": "test box",
+            **record}
     (run_dir / "experiment.json").write_text(json.dumps(info))
 
 
@@ -123,6 +124,37 @@ def test_a_finished_run_without_its_record_gets_one_timed_by_its_metrics(exp, tm
     info = json.loads((run_dir / "experiment.json").read_text())
     assert info["variant"] == "plain" and info["seconds"] == 2.0  # the fake's two evaluations, 1 s each
     assert info["seconds_from"].startswith("metrics.jsonl")
+
+
+def test_a_kept_run_trained_on_other_problems_stops_the_experiment(exp, tmp_path, monkeypatch):
+    """`all` twice with other --candidates, or a hand-edited selection.json: the data file is rewritten,
+    so only the run's record can say which problems it trained on."""
+    from dataclasses import replace
+
+    selection = tmp_path / "selection.json"
+    selection.write_text(json.dumps({"selected": ["HumanEval/0", "HumanEval/2"]}))
+    fake_run(tmp_path, "plain", 0, 2, before=0.2, after=0.4, rewards=[1.0, 2.0],
+             train_ids=["HumanEval/0", "HumanEval/1"])
+    monkeypatch.setattr(exp, "check_same_settings", lambda run_dir, wanted: None)
+    monkeypatch.setattr("magrpo.cli.main", lambda argv: pytest.fail("a finished run was trained again"))
+    sizes = replace(exp.SMOKE, steps=2, eval_every=1)
+    difference = r"trained on other problems \(2\) than the 2 of .*'HumanEval/1', 'HumanEval/2'"
+    with pytest.raises(SystemExit, match=difference):
+        exp.run(sizes, selection, tmp_path, ["plain"])
+    selection.write_text(json.dumps({"selected": ["HumanEval/0", "HumanEval/1"]}))
+    exp.run(sizes, selection, tmp_path, ["plain"])  # the same problems: kept
+
+
+def test_a_new_selection_never_replaces_the_one_kept_runs_trained_on(exp, tmp_path):
+    path = tmp_path / "selection.json"
+    exp.save_selection({"selected": ["HumanEval/0"], "date": "day 1"}, path)
+    exp.save_selection({"selected": ["HumanEval/1"], "date": "day 2"}, path)  # no runs yet: replaced
+    fake_run(tmp_path, "plain", 0, 2, before=0.2, after=0.4, rewards=[1.0])
+    exp.save_selection({"selected": ["HumanEval/1"], "date": "day 3"}, path)  # the same problems: fine
+    with pytest.raises(SystemExit, match="holds runs trained on the 1 problems of .*selection.rejected.json"):
+        exp.save_selection({"selected": ["HumanEval/0", "HumanEval/5"], "date": "day 4"}, path)
+    assert json.loads(path.read_text()) == {"selected": ["HumanEval/1"], "date": "day 3"}
+    assert json.loads((tmp_path / "selection.rejected.json").read_text())["date"] == "day 4"  # nothing lost
 
 
 def test_report_gives_every_held_out_metric_per_evaluation_step(exp, tmp_path):
