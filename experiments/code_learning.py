@@ -482,6 +482,7 @@ def plot(runs: dict[str, dict[int, tuple[list[dict], dict]]], path: Path) -> Pat
     on the held-out problems the greedy reward and pass@1 at the last turn per evaluation step (step 0:
     before training; more points with --eval-every)."""
     from matplotlib.figure import Figure  # no pyplot: no global state
+    from matplotlib.ticker import MaxNLocator
 
     fig = Figure(figsize=(15, 4), dpi=120)
     axes = fig.subplots(1, 3)
@@ -500,6 +501,7 @@ def plot(runs: dict[str, dict[int, tuple[list[dict], dict]]], path: Path) -> Pat
                 ax.fill_between(steps, [min(v) for v in values], [max(v) for v in values], alpha=0.2)
     for ax, (title, ylabel, _) in zip(axes, panels):
         ax.set(title=title, xlabel="step", ylabel=ylabel)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
         if ax.lines:
             ax.legend(fontsize=8)
         else:  # say so rather than draw an empty frame
