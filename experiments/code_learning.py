@@ -389,6 +389,56 @@ def table(runs: dict[str, dict[int, tuple[list[dict], dict]]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+# (label, metric suffix) compared across variants at each one's last turn: the reward shaping and the task itself
+COMPARED = [("greedy reward", "greedy_reward_mean"), ("pass@1 greedy", "pass@1_greedy")]
+
+
+def comparison(runs: dict[str, dict[int, tuple[list[dict], dict]]]) -> str:
+    """Markdown: which variant wins on the held-out problems, and by how much. Per variant, at its last
+    turn, each compared metric after training and its change (after - before), and that change minus
+    the reference's (the first variant) on the same seeds, so the seed's shared problems cancel; then
+    one generated sentence per metric naming the largest change, or the tie."""
+    reference = next(iter(runs))
+    changes: dict[str, dict[str, dict[int, float]]] = {}  # metric -> variant -> seed -> change
+    afters: dict[str, dict[str, list[float]]] = {}
+    for name, seeds in runs.items():
+        last = next(iter(seeds.values()))[1]["turns"] - 1
+        for label, suffix in COMPARED:
+            key = f"eval/turn_{last}/{suffix}"
+            for seed, (records, _) in seeds.items():
+                before, after = before_after(records)
+                if key in before and key in after:
+                    changes.setdefault(label, {}).setdefault(name, {})[seed] = after[key] - before[key]
+                    afters.setdefault(label, {}).setdefault(name, []).append(after[key])
+    header = "| variant | last turn |" + "".join(f" {label} after | {label} change | change vs {reference} |"
+                                                   for label, _ in COMPARED)
+    lines = [f"**Which wins** (held-out, each variant's last turn; change = after - before; vs {reference}: "
+             "the change minus the reference's on the same seed; mean ± sd over seeds)", "", header,
+             "|---|---|" + "---|---|---|" * len(COMPARED)]
+    for name, seeds in runs.items():
+        row = f"| {name} | {next(iter(seeds.values()))[1]['turns']} |"
+        for label, _ in COMPARED:
+            mine, ref = changes.get(label, {}).get(name, {}), changes.get(label, {}).get(reference, {})
+            paired = [mine[s] - ref[s] for s in sorted(mine) if s in ref]
+            row += (f" {mean_sd(afters.get(label, {}).get(name, []))} | {mean_sd(list(mine.values()))} | "
+                    f"{'–' if name == reference else mean_sd(paired)} |")
+        lines.append(row)
+    lines.append("")
+    for label, _ in COMPARED:
+        means = {name: sum(c.values()) / len(c) for name, c in changes.get(label, {}).items() if c}
+        if not means:
+            continue
+        ranked = sorted(means, key=means.get, reverse=True)
+        if max(means.values()) - min(means.values()) < 1e-9:
+            lines.append(f"- {label}: a tie, change {means[ranked[0]]:.3f} in every variant.")
+        else:
+            lines.append(f"- {label}: the largest change is {ranked[0]}'s, "
+                         f"{mean_sd(list(changes[label][ranked[0]].values()))}"
+                         + (f"; next {ranked[1]}, {mean_sd(list(changes[label][ranked[1]].values()))}."
+                            if len(ranked) > 1 else "."))
+    return "\n".join(lines) + "\n"
+
+
 GAINS = [("turn-1 -> last-turn gain, pass@1 greedy", "eval/improvement/pass@1_greedy"),
          ("turn-1 -> last-turn gain, pass@1 sampled", "eval/improvement/pass@1")]
 
@@ -538,7 +588,7 @@ def report(out: Path, doc: Path, image: Path) -> str:
     if missing:  # a partial report must say so
         head[-2:-2] = [f"**Not in these tables** (no experiment.json: running, stopped or failed): "
                        f"{', '.join(missing)}.", ""]
-    text = ("\n".join(head) + "\n" + table(runs) + per_step(runs)
+    text = ("\n".join(head) + "\n" + comparison(runs) + "\n" + table(runs) + per_step(runs)
             + "\n**Training diagnostics** (mean ± sd over seeds)\n\n" + diagnostics(runs))
     doc.parent.mkdir(parents=True, exist_ok=True)
     doc.write_text(text)

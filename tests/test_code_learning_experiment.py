@@ -101,6 +101,28 @@ def test_report_gives_mean_and_spread_over_seeds_before_and_after(exp, tmp_path)
     assert "Not in these tables" not in text
 
 
+def test_report_says_which_variant_wins_and_by_how_much_paired_by_seed(exp, tmp_path):
+    # one turn each, so the last turn is turn 0: greedy reward = pass@1 greedy = the eval value
+    fake_run(tmp_path, "level_feedback", 0, 2, before=0.2, after=0.4, rewards=[1.0], turns=1)
+    fake_run(tmp_path, "level_feedback", 1, 2, before=0.4, after=0.4, rewards=[1.0], turns=1)
+    fake_run(tmp_path, "one_turn", 0, 2, before=0.2, after=0.8, rewards=[1.0], turns=1)
+    fake_run(tmp_path, "one_turn", 1, 2, before=0.4, after=0.6, rewards=[1.0], turns=1)
+    text = exp.report(tmp_path, tmp_path / "results.md", tmp_path / "results.png")
+    wins = text.split("**Which wins**")[1].split("**level_feedback**")[0]
+    # level_feedback changes (0.2, 0.0); one_turn (0.6, 0.2); paired differences (0.4, 0.2)
+    assert "| level_feedback | 1 | 0.400 ± 0.000 | 0.100 ± 0.141 | – |" in wins
+    assert "| one_turn | 1 | 0.700 ± 0.141 | 0.400 ± 0.283 | 0.300 ± 0.141 |" in wins
+    assert ("- pass@1 greedy: the largest change is one_turn's, 0.400 ± 0.283; "
+            "next level_feedback, 0.100 ± 0.141.") in wins
+
+
+def test_report_calls_equal_changes_a_tie(exp, tmp_path):
+    for variant in ("level_feedback", "plain"):
+        fake_run(tmp_path, variant, 0, 2, before=0.0, after=0.0, rewards=[1.0], turns=1)
+    text = exp.report(tmp_path, tmp_path / "results.md", tmp_path / "results.png")
+    assert "- pass@1 greedy: a tie, change 0.000 in every variant." in text
+
+
 def test_report_names_run_dirs_it_leaves_out(exp, tmp_path):
     fake_run(tmp_path, "level_feedback", 0, 2, before=0.2, after=0.4, rewards=[1.0, 2.0])
     (tmp_path / "runs" / "plain" / "seed0").mkdir(parents=True)  # still running: no experiment.json
