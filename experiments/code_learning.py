@@ -399,17 +399,20 @@ def comparison(runs: dict[str, dict[int, tuple[list[dict], dict]]]) -> str:
     the reference's (the first variant) on the same seeds, so the seed's shared problems cancel; then
     one generated sentence per metric naming the largest change, or the tie."""
     reference = next(iter(runs))
-    changes: dict[str, dict[str, dict[int, float]]] = {}  # metric -> variant -> seed -> change
-    afters: dict[str, dict[str, list[float]]] = {}
+    # metric -> variant -> seed -> (before, after); each seed's evaluations are read once
+    pairs: dict[str, dict[str, dict[int, tuple[float, float]]]] = {label: {} for label, _ in COMPARED}
     for name, seeds in runs.items():
         last = next(iter(seeds.values()))[1]["turns"] - 1
-        for label, suffix in COMPARED:
-            key = f"eval/turn_{last}/{suffix}"
-            for seed, (records, _) in seeds.items():
-                before, after = before_after(records)
+        for seed, (records, _) in seeds.items():
+            before, after = before_after(records)
+            for label, suffix in COMPARED:
+                key = f"eval/turn_{last}/{suffix}"
                 if key in before and key in after:
-                    changes.setdefault(label, {}).setdefault(name, {})[seed] = after[key] - before[key]
-                    afters.setdefault(label, {}).setdefault(name, []).append(after[key])
+                    pairs[label].setdefault(name, {})[seed] = (before[key], after[key])
+
+    def changes(label: str, name: str) -> dict[int, float]:
+        return {seed: a - b for seed, (b, a) in pairs[label].get(name, {}).items()}
+
     header = "| variant | last turn |" + "".join(f" {label} after | {label} change | change vs {reference} |"
                                                    for label, _ in COMPARED)
     lines = [f"**Which wins** (held-out, each variant's last turn; change = after - before; vs {reference}: "
@@ -418,24 +421,24 @@ def comparison(runs: dict[str, dict[int, tuple[list[dict], dict]]]) -> str:
     for name, seeds in runs.items():
         row = f"| {name} | {next(iter(seeds.values()))[1]['turns']} |"
         for label, _ in COMPARED:
-            mine, ref = changes.get(label, {}).get(name, {}), changes.get(label, {}).get(reference, {})
+            mine, ref = changes(label, name), changes(label, reference)
             paired = [mine[s] - ref[s] for s in sorted(mine) if s in ref]
-            row += (f" {mean_sd(afters.get(label, {}).get(name, []))} | {mean_sd(list(mine.values()))} | "
+            afters = [a for _, a in pairs[label].get(name, {}).values()]
+            row += (f" {mean_sd(afters)} | {mean_sd(list(mine.values()))} | "
                     f"{'–' if name == reference else mean_sd(paired)} |")
         lines.append(row)
     lines.append("")
     for label, _ in COMPARED:
-        means = {name: sum(c.values()) / len(c) for name, c in changes.get(label, {}).items() if c}
+        spreads = {name: mean_sd(list(changes(label, name).values())) for name in pairs[label]}
+        means = {name: sum(c.values()) / len(c) for name in pairs[label] if (c := changes(label, name))}
         if not means:
             continue
         ranked = sorted(means, key=means.get, reverse=True)
         if max(means.values()) - min(means.values()) < 1e-9:
             lines.append(f"- {label}: a tie, change {means[ranked[0]]:.3f} in every variant.")
         else:
-            lines.append(f"- {label}: the largest change is {ranked[0]}'s, "
-                         f"{mean_sd(list(changes[label][ranked[0]].values()))}"
-                         + (f"; next {ranked[1]}, {mean_sd(list(changes[label][ranked[1]].values()))}."
-                            if len(ranked) > 1 else "."))
+            lines.append(f"- {label}: the largest change is {ranked[0]}'s, {spreads[ranked[0]]}"
+                         + (f"; next {ranked[1]}, {spreads[ranked[1]]}." if len(ranked) > 1 else "."))
     return "\n".join(lines) + "\n"
 
 
