@@ -28,6 +28,7 @@ import os
 import platform
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -114,7 +115,8 @@ def main() -> None:
     try:
         for mode in args.modes.split(","):
             recorder = Recorder(backend)
-            expand_trees(problems, env, recorder, Feedback(cfg.external, env), TreeSettings(args.k, 2, mode), params)
+            expand_trees(problems, env, recorder, Feedback(cfg.external, env),
+                         replace(TreeSettings.of(cfg), num_generations=args.k, num_turns=2, joint_mode=mode), params)
             level = recorder.calls[1]
             seqs = sum(r.n for r in level)
 

@@ -6,14 +6,22 @@
 3. Group = one agent's K completions at one node (group_by=node), or at every node of one turn
    of a tree (group_by=agent_turn); a GRPO baseline per group gives advantages.
 With per-agent rewards, every agent's returns flow up the tree from its own (team-mixed) rewards.
+
+`ESTIMATORS` holds whole estimators by name (trainer.advantage_estimator), as verl's core_algos do:
+`fn(nodes, AdvantageSettings) -> (nodes, N) zero-variance mask`, filling each node's returns and
+advantages. `tree_grpo` is the three steps above.
 """
 from __future__ import annotations
 
-from typing import Callable, Hashable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Hashable, Sequence
 
 import numpy as np
 
 from .registry import Registry
+
+if TYPE_CHECKING:
+    from .tree import Node
 
 STD_EPS = 1e-6
 # Groups whose values differ by less than this are "zero-variance": they carry no signal.
@@ -24,6 +32,36 @@ CREDITS: Registry[Callable[[np.ndarray, np.ndarray, int], np.ndarray]] = Registr
 SCALES: Registry[Callable[[np.ndarray], np.ndarray]] = Registry("advantage_scale")
 # group_key(node index, tree, turn) -> key: nodes with one key pool each agent's completions into one group.
 GROUP_BY: Registry[Callable[[int, int, int], Hashable]] = Registry("group_by")
+
+
+@dataclass(frozen=True)
+class AdvantageSettings:
+    """What an estimator reads (trainer.* and reward.team_weight; every default lives in magrpo.config)."""
+
+    estimator: str
+    discount: float
+    cross_credit: str
+    baseline: str
+    scale: str
+    group_by: str
+    team_weight: float
+
+    @classmethod
+    def of(cls, cfg: Any) -> "AdvantageSettings":
+        trainer = cfg.trainer
+        return cls(estimator=trainer.advantage_estimator, discount=trainer.discount,
+                   cross_credit=trainer.cross_credit, baseline=trainer.baseline, scale=trainer.advantage_scale,
+                   group_by=trainer.group_by, team_weight=cfg.reward.team_weight)
+
+
+# name -> estimator(nodes, settings): fills node.returns / agent_returns / advantages / zero_std and
+# returns the (nodes, N) zero-variance-group mask.
+ESTIMATORS: Registry[Callable[["list[Node]", AdvantageSettings], np.ndarray]] = Registry("advantage_estimator")
+
+
+def assign_advantages(nodes: "list[Node]", settings: AdvantageSettings) -> np.ndarray:
+    """The configured estimator over one step's nodes; returns the (nodes, N) zero-variance mask."""
+    return ESTIMATORS.get(settings.estimator)(nodes, settings)
 
 
 def tree_returns(
@@ -168,3 +206,39 @@ def pooled_advantages(
     adv, zero = group_advantages(np.concatenate(values, axis=-1), baseline, scale)
     cuts = np.cumsum([v.shape[-1] for v in values])[:-1]
     return np.split(adv, cuts, axis=-1), [zero] * len(values)
+
+
+@ESTIMATORS.register("tree_grpo")
+def tree_grpo(nodes: "list[Node]", settings: AdvantageSettings) -> np.ndarray:
+    """MAGRPO-MT: returns up the tree (per agent too, with per-agent rewards and team_weight < 1), each
+    completion credited from the joint actions containing it, grouped baselines per agent."""
+    children = [node.children for node in nodes]
+    returns = tree_returns([node.rewards for node in nodes], children, settings.discount)
+    own = agent_rewards_of(nodes, settings.team_weight)
+    per_agent: list[np.ndarray | None] = [None] * len(nodes)
+    if own is not None:  # every agent's returns flow up the tree from its own rewards
+        columns = [tree_returns([o[:, a] for o in own], children, settings.discount) for a in range(own[0].shape[1])]
+        per_agent = [np.stack([column[m] for column in columns], axis=1) for m in range(len(nodes))]
+    values = []
+    for node, g, mine in zip(nodes, returns, per_agent):
+        node.returns, node.agent_returns = g, mine
+        values.append(  # (N, K)
+            agent_credit(node.joint, g if mine is None else mine, len(node.completions[0]), settings.cross_credit))
+    pools: dict = {}
+    group_key = GROUP_BY.get(settings.group_by)
+    for m, node in enumerate(nodes):
+        pools.setdefault(group_key(m, node.tree, node.turn), []).append(m)
+    for members in pools.values():
+        advantages, zero_std = pooled_advantages([values[m] for m in members], settings.baseline, settings.scale)
+        for m, adv, zero in zip(members, advantages, zero_std):
+            nodes[m].advantages, nodes[m].zero_std = adv, zero
+    return np.array([node.zero_std for node in nodes])
+
+
+def agent_rewards_of(nodes: "list[Node]", team_weight: float) -> list[np.ndarray] | None:
+    """Each node's (J, N) per-agent rewards mixed with the team reward; None (the team reward alone)
+    when no node has per-agent rewards or team_weight is 1."""
+    if team_weight == 1 or all(node.agent_rewards is None for node in nodes):
+        return None
+    return [mix_rewards(node.rewards, node.agent_rewards if node.agent_rewards is not None else
+                        np.repeat(node.rewards[:, None], len(node.completions), axis=1), team_weight) for node in nodes]

@@ -65,9 +65,10 @@ class GenerationConfig:
     overlap_chunks: int = 1
     """Generate each turn's nodes in this many parts and score each part (and give it its feedback, unless
     trainer.resample_zero_std is on) in a second thread while the next part generates: hides slow scoring or
-    feedback (sandbox timeouts, an expert over HTTP) behind decoding, at the cost of smaller decode batches. The
-    rollout is the same for a given seed. The env's score and the feedback function then run in that thread
-    beside generation: they must not call the model. 1 = off."""
+    feedback (sandbox timeouts, an expert over HTTP) behind decoding, at the cost of smaller decode batches. Samples
+    keep their random streams, so the rollout is the one of 1 part, up to a rare token that a smaller batch's
+    rounding swaps at a near tie (docs/long-runs.md, Reproducibility). The env's score and the feedback function
+    then run in that thread beside generation: they must not call the model. 1 = off."""
 
 
 @dataclass
@@ -88,6 +89,10 @@ class TrainerConfig:
     expand: str = "all"
     """Which joint actions of a node get a child (the rest are leaves, G = r): all | top:M (the M highest rewards) |
     random:M (M at random, seeded); applied after early termination."""
+    advantage_estimator: str = "tree_grpo"
+    """How rewards become per-completion advantages: tree_grpo (returns up the tree with trainer.discount, credit
+    per agent with trainer.cross_credit, grouped baselines: trainer.baseline, group_by, advantage_scale); plugins
+    may register more (magrpo.advantage.ESTIMATORS)."""
     discount: float = 1.0
     """gamma in G = r + gamma * mean(child returns)."""
     cross_credit: str = "mean"

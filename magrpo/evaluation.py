@@ -41,7 +41,11 @@ def run_paths(problems, env, backend, feedback, num_turns, sampling, seed: int |
     start, stop = world.shard(len(problems))
     mine: dict[int, list[tuple[int, dict]]] = defaultdict(list)
     if stop > start:  # more processes than problems: some have none
-        settings = TreeSettings(1, num_turns, "align", early_termination_threshold, on_reward_error)
+        # One path per problem (K=1): each turn's single joint action, grown until the turn limit or a stop.
+        settings = TreeSettings(num_generations=1, num_turns=num_turns, joint_mode="align",
+                                early_termination_threshold=early_termination_threshold,
+                                on_reward_error=on_reward_error, expand="all", resample_zero_std=0,
+                                cross_credit="mean", team_weight=1.0, overlap_chunks=1)
         rollout = expand_trees(problems[start:stop], env, backend, feedback, settings, sampling,
                                seed=seed, tree_offset=start)
         last: dict[int, tuple[int, dict]] = {}

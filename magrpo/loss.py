@@ -6,7 +6,8 @@ padding never contribute and the last completion token is scored.
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -97,20 +98,33 @@ def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     return torch.exp(delta) - delta - 1
 
 
+@dataclass(frozen=True)
+class LossSettings:
+    """The policy loss's own knobs (trainer.*; every default lives in magrpo.config)."""
+
+    clip_eps: float
+    clip_eps_high: float | None  # None: clip_eps
+    ratio_level: str  # token | sequence (GSPO): RATIO_LEVELS
+    kl_coef: float
+    entropy_coef: float
+
+    @classmethod
+    def of(cls, cfg: Any) -> "LossSettings":
+        trainer = cfg.trainer
+        return cls(clip_eps=trainer.clip_eps, clip_eps_high=trainer.clip_eps_high, ratio_level=trainer.ratio_level,
+                   kl_coef=trainer.kl_coef, entropy_coef=trainer.entropy_coef)
+
+
 def policy_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
     advantages: torch.Tensor,
     target_mask: torch.Tensor,
     seq_weights: torch.Tensor,
-    clip_eps: float,
+    settings: LossSettings,
     ref_logp: torch.Tensor | None = None,
-    kl_coef: float = 0.0,
     is_weights: torch.Tensor | None = None,
-    clip_eps_high: float | None = None,
-    ratio_level: str = "token",
     entropy: torch.Tensor | None = None,
-    entropy_coef: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped surrogate (PPO/GRPO) plus optional k3 KL and entropy bonus, aggregated with
     per-sequence weights.
@@ -119,13 +133,14 @@ def policy_loss(
     The ratio is clipped to [1 - clip_eps, 1 + clip_eps_high] (clip_eps_high None: clip_eps), per
     token or per sequence (`RATIO_LEVELS`). is_weights (detached, e.g. truncated p_trainer /
     p_sampler) scale the policy-gradient term only. `entropy` (with gradient) enters as
-    -entropy_coef * entropy per token. With old_logp = logp.detach() the ratio is 1 and the gradient
-    is the plain -A * grad log p. Returns the scalar loss and detached token sums for logging
-    (clipped tokens, those clipped at the upper bound, KL).
+    -entropy_coef * entropy per token; the KL needs `ref_logp`. With old_logp = logp.detach() the
+    ratio is 1 and the gradient is the plain -A * grad log p. Returns the scalar loss and detached
+    token sums for logging (clipped tokens, those clipped at the upper bound, KL).
     """
-    high = clip_eps if clip_eps_high is None else clip_eps_high
+    clip_eps, kl_coef, entropy_coef = settings.clip_eps, settings.kl_coef, settings.entropy_coef
+    high = clip_eps if settings.clip_eps_high is None else settings.clip_eps_high
     mask = target_mask.float()
-    ratio = torch.exp(RATIO_LEVELS.get(ratio_level)(logp, old_logp, target_mask))
+    ratio = torch.exp(RATIO_LEVELS.get(settings.ratio_level)(logp, old_logp, target_mask))
     adv = advantages[:, None]
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1 - clip_eps, 1 + high) * adv

@@ -5,17 +5,19 @@ With `overlap_chunks` > 1 a turn's nodes are generated in that many backend call
 scored (and, without dynamic sampling, given its feedback) in a second thread while the next part
 generates: slow scoring or feedback (sandbox timeouts, an expert over HTTP) hides behind decoding.
 Every sample comes from its own random stream and every score and feedback is per node, so the
-rollout is the same as the sequential one."""
+rollout is the sequential one (up to a near tie that a smaller decode batch rounds otherwise)."""
 from __future__ import annotations
 
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Mapping, Sequence
+from functools import partial
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from .advantage import GROUP_BY, agent_credit, all_groups_flat, mix_rewards, own_values, pooled_advantages, tree_returns
+from .advantage import all_groups_flat, own_values
 from .env import Environment, Scored, call_env
 from .errors import RewardError, describe, qualified_name
 from .feedback import Branch
@@ -24,35 +26,31 @@ from .sampling import stream_key
 from .tree import Completion, Node, expanded, joint_actions
 
 
-@dataclass
+@dataclass(frozen=True)
 class TreeSettings:
+    """How one step's trees grow (trainer.*, reward.* and generation.overlap_chunks; every default lives
+    in magrpo.config)."""
+
     num_generations: int
     num_turns: int
     joint_mode: str
-    early_termination_threshold: float | None = None
-    on_reward_error: str = "raise"  # raise | zero (the joint action scores 0 and gets no child)
-    expand: str = "all"  # all | top:M | random:M: which joint actions of a node get a child (tree.expanded)
-    resample_zero_std: int = 0  # regenerate a node whose agent groups all got equal rewards, up to this many times
-    cross_credit: str = "mean"  # how a completion is credited when checking its group for zero variance
-    team_weight: float = 1.0  # with per-agent rewards: each agent's value = w x team + (1 - w) x its own
-    overlap_chunks: int = 1  # a turn's nodes in this many backend calls, scored while the next part generates
+    early_termination_threshold: float | None
+    on_reward_error: str  # raise | zero (the joint action scores 0 and gets no child)
+    expand: str  # all | top:M | random:M: which joint actions of a node get a child (tree.expanded)
+    resample_zero_std: int  # regenerate a node whose agent groups all got equal rewards, up to this many times
+    cross_credit: str  # how a completion is credited when checking its group for zero variance
+    team_weight: float  # with per-agent rewards: each agent's value = w x team + (1 - w) x its own
+    overlap_chunks: int  # a turn's nodes in this many backend calls, scored while the next part generates
 
     @classmethod
     def of(cls, cfg: Any) -> "TreeSettings":
-        """From a TrainConfig's trainer.* and reward.*."""
+        """From a TrainConfig."""
         trainer = cfg.trainer
-        return cls(
-            trainer.num_generations,
-            trainer.num_turns,
-            trainer.joint_mode,
-            trainer.early_termination_threshold,
-            cfg.reward.on_error,
-            trainer.expand,
-            trainer.resample_zero_std,
-            trainer.cross_credit,
-            cfg.reward.team_weight,
-            cfg.generation.overlap_chunks,
-        )
+        return cls(num_generations=trainer.num_generations, num_turns=trainer.num_turns,
+                   joint_mode=trainer.joint_mode, early_termination_threshold=trainer.early_termination_threshold,
+                   on_reward_error=cfg.reward.on_error, expand=trainer.expand,
+                   resample_zero_std=trainer.resample_zero_std, cross_credit=trainer.cross_credit,
+                   team_weight=cfg.reward.team_weight, overlap_chunks=cfg.generation.overlap_chunks)
 
 
 EXPAND_DRAWS = 0x45585044  # a stream domain of its own for random:M (never a sampling stream's key)
@@ -120,6 +118,231 @@ def _finished(value: Any) -> Future:
     return future
 
 
+@dataclass
+class TurnScores:
+    """The scores of a run of one turn's nodes (phase 2): per joint action, node-major."""
+
+    scored: list[Scored]
+    rewards: np.ndarray  # (nodes, J)
+    failed: np.ndarray  # (nodes, J): the env could not score it (reward.on_error=zero): a leaf
+
+    @staticmethod
+    def joined(parts: Sequence["TurnScores"]) -> "TurnScores":
+        return TurnScores([s for p in parts for s in p.scored], np.concatenate([p.rewards for p in parts]),
+                          np.concatenate([p.failed for p in parts]))
+
+    def with_rows(self, rows: Sequence[int], again: "TurnScores") -> "TurnScores":
+        """These scores with the nodes `rows` scored anew (`again`, one row per node of `rows`)."""
+        width = self.rewards.shape[1]
+        scored, rewards, failed = list(self.scored), self.rewards.copy(), self.failed.copy()
+        for row, i in enumerate(rows):
+            scored[i * width : (i + 1) * width] = again.scored[row * width : (row + 1) * width]
+            rewards[i], failed[i] = again.rewards[row], again.failed[row]
+        return TurnScores(scored, rewards, failed)
+
+
+@dataclass
+class Branching:
+    """The joint actions of a run of nodes that get a child (phase 4), with the next-turn prompts the
+    feedback wrote for them."""
+
+    terminated: int  # joint actions stopped by early termination or a failed score
+    parents: list[tuple[int, int]]  # per branch: (index of its node in the turn's level, joint action)
+    branches: list[Branch]
+    prompts: list[list[str]]  # per branch: one next-turn prompt per agent
+
+
+class TreeExpander:
+    """Builds one step's trees, turn by turn. Each turn runs five phases over every active node:
+    1. generate: one backend call for every agent of every node (K samples each);
+    2. score: one env call for every joint action;
+    3. resample (trainer.resample_zero_std): regenerate nodes whose every agent group scored flat;
+    4. branch: rewards onto the nodes; joint actions neither at the turn limit nor stopped become
+       branches, and one feedback call writes their next-turn prompts;
+    5. grow: one child node per branch: the next turn's level.
+    With overlap_chunks > 1, phases 1-2 (and 4, unless resampling must see the whole turn first) run
+    part by part, each part scored in a worker thread while the next part generates."""
+
+    def __init__(self, problems: Sequence[Mapping[str, Any]], env: Environment, backend: GenerationBackend,
+                 feedback: Callable[[list[Branch]], list[list[str]]], tree: TreeSettings, sampling: SamplingParams,
+                 seed: int | None = None, tree_offset: int = 0):
+        self.problems, self.env, self.backend, self.feedback = problems, env, backend, feedback
+        self.tree, self.sampling, self.seed, self.tree_offset = tree, sampling, seed, tree_offset
+        self.n, self.k = env.num_agents, tree.num_generations
+        self.joint = joint_actions(tree.joint_mode, self.k, self.n)
+        self.early_feedback = tree.resample_zero_std == 0  # dynamic sampling rescores before anything branches
+        self.rollout = Rollout(problems=problems, nodes=[], timings={"gen_s": 0.0, "reward_s": 0.0, "feedback_s": 0.0})
+
+    def run(self) -> Rollout:
+        level = self.roots()
+        with self.worker() as worker:
+            for turn in range(self.tree.num_turns):
+                first_id = len(self.rollout.nodes)
+                self.rollout.nodes.extend(level)
+                scores, branchings = self.generate_and_score(level, turn, worker)    # phases 1-2 (and 4)
+                scores = self.resample(level, turn, scores)                          # phase 3
+                self.rollout.reward_errors += int(scores.failed.sum())
+                if branchings is None:
+                    branchings = [self.branch(level, 0, turn, scores)]               # phase 4
+                self.rollout.terminated_per_turn.append(sum(b.terminated for b in branchings))
+                level = self.grow(level, first_id, turn, branchings)                 # phase 5
+                if not level:
+                    break
+        return self.rollout
+
+    def roots(self) -> list[Node]:
+        """Turn 0: one node per problem, with the env's prompt for each agent."""
+        nodes = []
+        for b, problem in enumerate(self.problems):
+            where = f"at turn 0 (problem {problem_name(problem)!r})"
+            prompts = call_env(self.env, "agent_prompts", problem, where=where)
+            nodes.append(Node(tree=b, turn=0, parent=None, prompts=prompts, prompt_history=[[p] for p in prompts],
+                              response_history=[[] for _ in range(self.n)],
+                              stream=None if self.seed is None else stream_key(self.seed, self.tree_offset + b)))
+        return nodes
+
+    @contextmanager
+    def worker(self) -> Iterator[ThreadPoolExecutor | None]:
+        """The thread that scores a part while the next one generates (overlap_chunks > 1), else None."""
+        if self.tree.overlap_chunks <= 1:
+            yield None
+            return
+        worker = ThreadPoolExecutor(1, thread_name_prefix="magrpo-score")
+        self.rollout.timings["overlap_wait_s"] = 0.0
+        try:
+            yield worker
+        finally:
+            worker.shutdown(wait=True, cancel_futures=True)
+
+    def generate_and_score(self, level: list[Node], turn: int, worker: ThreadPoolExecutor | None
+                           ) -> tuple[TurnScores, list[Branching] | None]:
+        """Phases 1-2 part by part (one part unless overlap_chunks > 1), and phase 4 with them when
+        feedback need not wait for resampling (else None)."""
+        size = -(-len(level) // max(1, self.tree.overlap_chunks))
+        pending: list[Future] = []
+        for first in range(0, len(level), size):
+            part = level[first : first + size]
+            self.generate(part)
+            job = partial(self.score_and_branch, part, first, turn)
+            # in this thread, run now: an error stops the turn before the next part generates
+            pending.append(_finished(job()) if worker is None else worker.submit(job))
+        t0 = time.perf_counter()
+        done = [future.result() for future in pending]
+        if worker is not None:
+            self.rollout.timings["overlap_wait_s"] += time.perf_counter() - t0
+        branchings = [b for _, b in done] if self.early_feedback else None
+        return TurnScores.joined([s for s, _ in done]), branchings
+
+    def score_and_branch(self, part: list[Node], first: int, turn: int) -> tuple[TurnScores, Branching | None]:
+        scores = self.score(part, turn)
+        return scores, (self.branch(part, first, turn, scores) if self.early_feedback else None)
+
+    def generate(self, nodes: list[Node], attempt: int = 0) -> None:
+        """Phase 1: K samples for every agent of every node, in one backend call. Sample k of agent a
+        draws from stream (node, a, k); attempt > 0 (resampling) from streams of its own."""
+        t0 = time.perf_counter()
+        requests = [GenerationRequest(node.prompts[a], a, self.k, self.stream(node, a, attempt))
+                    for node in nodes for a in range(self.n)]
+        samples = self.backend.generate(requests, self.sampling)
+        for i, node in enumerate(nodes):
+            node.completions, node.joint = samples[i * self.n : (i + 1) * self.n], self.joint
+        self.rollout.timings["gen_s"] += time.perf_counter() - t0
+
+    @staticmethod
+    def stream(node: Node, agent: int, attempt: int) -> int | None:
+        if node.stream is None:
+            return None
+        if attempt == 0:
+            return stream_key(node.stream, agent)
+        return stream_key(node.stream, RESAMPLE_DRAWS, attempt, agent)
+
+    def score(self, nodes: list[Node], turn: int) -> TurnScores:
+        """Phase 2: one env call for every joint action of `nodes`. Sets each node's (J, N) per-agent
+        rewards (None when the env gave none; a joint action without them gives every agent the team's)."""
+        t0 = time.perf_counter()
+        n, joint = self.n, self.joint
+        texts = [[node.completions[a][j[a]].text for a in range(n)] for node in nodes for j in joint]
+        owners = [self.problems[node.tree] for node in nodes for _ in joint]
+        scored, failed = score_guarded(self.env, owners, texts, self.tree.on_reward_error, turn)
+        shape = (len(nodes), len(joint))
+        rewards = np.asarray([s.reward for s in scored], dtype=np.float64).reshape(shape)
+        own = None
+        if any(s.agent_rewards is not None for s in scored):
+            own = np.asarray([s.agent_rewards if s.agent_rewards is not None else [s.reward] * n for s in scored],
+                             dtype=np.float64).reshape(*shape, n)
+        for i, node in enumerate(nodes):
+            node.agent_rewards = None if own is None else own[i]
+        self.rollout.timings["reward_s"] += time.perf_counter() - t0
+        return TurnScores(scored, rewards, np.asarray(failed, dtype=bool).reshape(shape))
+
+    def resample(self, level: list[Node], turn: int, scores: TurnScores) -> TurnScores:
+        """Phase 3 (dynamic sampling): regenerate and rescore the nodes whose every agent group got equal
+        rewards, up to trainer.resample_zero_std times; returns the turn's scores with theirs replaced."""
+        tree = self.tree
+        for attempt in range(1, tree.resample_zero_std + 1):
+            flat = [i for i, node in enumerate(level) if all_groups_flat(
+                self.joint, own_values(scores.rewards[i], node.agent_rewards, tree.team_weight), self.k,
+                tree.cross_credit)]
+            if not flat:
+                break
+            again = [level[i] for i in flat]
+            self.generate(again, attempt)
+            scores = scores.with_rows(flat, self.score(again, turn))
+            self.rollout.resampled_nodes += len(flat)
+        return scores
+
+    def branch(self, nodes: list[Node], first: int, turn: int, scores: TurnScores) -> Branching:
+        """Phase 4 for `nodes` (level[first:...]): rewards and stops onto the nodes; the joint actions
+        that neither reached the turn limit nor stopped, and that trainer.expand keeps, become branches,
+        sent through one feedback call."""
+        t0 = time.perf_counter()
+        tree, width, last = self.tree, len(self.joint), turn == self.tree.num_turns - 1
+        out = Branching(0, [], [], [])
+        for i, node in enumerate(nodes):
+            node.rewards = scores.rewards[i]
+            node.outcomes = [s.outcomes for s in scores.scored[i * width : (i + 1) * width]]
+            stop = scores.failed[i].copy()
+            if tree.early_termination_threshold is not None:
+                stop |= node.rewards >= tree.early_termination_threshold
+            node.terminated = np.zeros(width, dtype=bool) if last else stop
+            out.terminated += int(node.terminated.sum())
+            node.children = [None] * width
+            if last:
+                continue
+            draw = None if node.stream is None else partial(stream_key, node.stream, EXPAND_DRAWS)
+            grows = expanded(node.rewards, stop, tree.expand, draw)  # the rest are leaves (G = r)
+            for j in np.flatnonzero(grows).tolist():
+                out.branches.append(self.branch_of(node, j, scores.scored[i * width + j].context))
+                out.parents.append((first + i, j))
+        if out.branches:
+            out.prompts = self.feedback(out.branches)
+        self.rollout.timings["feedback_s"] += time.perf_counter() - t0
+        return out
+
+    def branch_of(self, node: Node, j: int, context: Mapping[str, Any]) -> Branch:
+        """What the feedback sees of joint action j of `node`: its texts, both histories, the env's context."""
+        chosen = [node.completions[a][self.joint[j][a]].text for a in range(self.n)]
+        return Branch(prompt=self.problems[node.tree]["prompt"], agent_completions=chosen,
+                      prompt_history=[list(h) for h in node.prompt_history],
+                      response_history=[node.response_history[a] + [chosen[a]] for a in range(self.n)],
+                      context=context)
+
+    def grow(self, level: list[Node], first_id: int, turn: int, branchings: list[Branching]) -> list[Node]:
+        """Phase 5: one child per branch, with the feedback's prompts; returns the next turn's level."""
+        children: list[Node] = []
+        for branching in branchings:
+            for (i, j), branch, prompts in zip(branching.parents, branching.branches, branching.prompts):
+                parent = level[i]
+                parent.children[j] = first_id + len(level) + len(children)
+                children.append(Node(
+                    tree=parent.tree, turn=turn + 1, parent=(first_id + i, j), prompts=prompts,
+                    prompt_history=[branch.prompt_history[a] + [prompts[a]] for a in range(self.n)],
+                    response_history=branch.response_history,
+                    stream=None if parent.stream is None else stream_key(parent.stream, j),
+                ))
+        return children
+
+
 def expand_trees(
     problems: Sequence[Mapping[str, Any]],
     env: Environment,
@@ -130,180 +353,15 @@ def expand_trees(
     seed: int | None = None,
     tree_offset: int = 0,
 ) -> Rollout:
-    """`feedback(branches) -> next-turn prompts per branch` (a magrpo.feedback.Feedback).
+    """One step's trees for `problems` (TreeExpander). `feedback(branches) -> next-turn prompts per
+    branch` (a magrpo.feedback.Feedback).
 
     With a `seed`, every node's samples come from random streams keyed by (seed, tree_offset + tree
-    index, path of joint actions from the root, agent, sample): the same tree samples the same
-    completions whatever else is in the batch, e.g. when a data-parallel run gives this process the
-    trees from `tree_offset` on."""
-    n, k = env.num_agents, tree.num_generations
-    joint = joint_actions(tree.joint_mode, k, n)
-    nodes: list[Node] = []
-    level = []
-    for b, problem in enumerate(problems):
-        prompts = call_env(env, "agent_prompts", problem, where=f"at turn 0 (problem {problem_name(problem)!r})")
-        level.append(Node(tree=b, turn=0, parent=None, prompts=prompts,
-                          prompt_history=[[p] for p in prompts], response_history=[[] for _ in range(n)],
-                          stream=None if seed is None else stream_key(seed, tree_offset + b)))
-    rollout = Rollout(problems=problems, nodes=nodes, timings={"gen_s": 0.0, "reward_s": 0.0, "feedback_s": 0.0})
-
-    def generate(at: list[Node], attempt: int) -> None:
-        """One backend call for every agent of every node in `at`; attempt > 0: dynamic sampling's
-        regenerations, from streams of their own."""
-        def key(node: Node, a: int) -> int | None:
-            if node.stream is None:
-                return None
-            return stream_key(node.stream, a) if attempt == 0 else stream_key(node.stream, RESAMPLE_DRAWS, attempt, a)
-
-        samples = backend.generate(
-            [GenerationRequest(node.prompts[a], a, k, key(node, a)) for node in at for a in range(n)], sampling
-        )
-        for i, node in enumerate(at):
-            node.completions = samples[i * n : (i + 1) * n]
-            node.joint = joint
-
-    def score(at: list[Node], turn: int) -> tuple[list[Scored], np.ndarray, np.ndarray]:
-        """One env call for every joint action of the nodes in `at`: scores, (nodes, J) rewards and
-        failures. Sets each node's (J, N) per-agent rewards (None when the env gave none; a joint
-        action without them gives every agent the team reward)."""
-        texts = [[node.completions[a][j[a]].text for a in range(n)] for node in at for j in joint]
-        owners = [problems[node.tree] for node in at for _ in joint]
-        scored, failed = score_guarded(env, owners, texts, tree.on_reward_error, turn)
-        rewards = np.asarray([s.reward for s in scored], dtype=np.float64).reshape(len(at), len(joint))
-        per_agent = any(s.agent_rewards is not None for s in scored)
-        own = np.asarray([s.agent_rewards if s.agent_rewards is not None else [s.reward] * n for s in scored],
-                         dtype=np.float64).reshape(len(at), len(joint), n) if per_agent else None
-        for i, node in enumerate(at):
-            node.agent_rewards = None if own is None else own[i]
-        return scored, rewards, np.asarray(failed, dtype=bool).reshape(len(at), len(joint))
-
-    def expand(at: list[Node], first: int, turn: int, scored: list[Scored], rewards: np.ndarray,
-               failed: np.ndarray) -> tuple[int, list[tuple[int, int]], list[Branch], list[list[str]]]:
-        """Rewards onto the nodes `at` (level[first:...]); the joint actions that are neither at the
-        turn limit nor terminated become branches, sent through one feedback call. Returns
-        (terminated joint actions, (level index, joint action) of each branch, branches, child prompts)."""
-        branches: list[Branch] = []
-        parents: list[tuple[int, int]] = []
-        terminated = 0
-        for i, node in enumerate(at):
-            node.rewards = rewards[i]
-            node.outcomes = [s.outcomes for s in scored[i * len(joint) : (i + 1) * len(joint)]]
-            stop = failed[i].copy()  # a joint action the env could not score is a leaf
-            if tree.early_termination_threshold is not None:
-                stop |= rewards[i] >= tree.early_termination_threshold
-            node.terminated = stop if turn < tree.num_turns - 1 else np.zeros(len(joint), dtype=bool)
-            terminated += int(node.terminated.sum())
-            node.children = [None] * len(joint)
-            if turn == tree.num_turns - 1:
-                continue
-            draw = None if node.stream is None else lambda j, s=node.stream: stream_key(s, EXPAND_DRAWS, j)
-            grows = expanded(rewards[i], stop, tree.expand, draw)  # the rest are leaves (G = r)
-            for j, choice in enumerate(joint):
-                if not grows[j]:
-                    continue
-                chosen = [node.completions[a][choice[a]].text for a in range(n)]
-                branches.append(Branch(
-                    prompt=problems[node.tree]["prompt"], agent_completions=chosen,
-                    prompt_history=[list(h) for h in node.prompt_history],
-                    response_history=[node.response_history[a] + [chosen[a]] for a in range(n)],
-                    context=scored[i * len(joint) + j].context,
-                ))
-                parents.append((first + i, j))
-        return terminated, parents, branches, (feedback(branches) if branches else [])
-
-    def score_and_expand(at: list[Node], first: int, turn: int, with_feedback: bool) -> dict[str, Any]:
-        """The work after a part's generation, timed: score, then (with_feedback) expand."""
-        t0 = time.perf_counter()
-        scored, rewards, failed = score(at, turn)
-        t1 = time.perf_counter()
-        part = {"scored": scored, "rewards": rewards, "failed": failed, "reward_s": t1 - t0}
-        if with_feedback:
-            part["expanded"] = expand(at, first, turn, scored, rewards, failed)
-            part["feedback_s"] = time.perf_counter() - t1
-        return part
-
-    chunks = max(1, tree.overlap_chunks)
-    worker = ThreadPoolExecutor(1, thread_name_prefix="magrpo-score") if chunks > 1 else None
-    # Dynamic sampling regenerates after every node is scored: feedback waits for it.
-    early_feedback = tree.resample_zero_std == 0
-    try:
-        for turn in range(tree.num_turns):
-            first_id = len(nodes)
-            nodes.extend(level)
-            gen_s = 0.0
-
-            # 1) generate, 2) score (and expand): one backend call per part, its scoring in the worker
-            #    thread while the next part generates (one part, the default: all in this thread)
-            size = -(-len(level) // chunks)
-            bounds = [(start, level[start : start + size]) for start in range(0, len(level), size)]
-            pending: list[Future] = []
-            for first, part in bounds:
-                t0 = time.perf_counter()
-                generate(part, 0)
-                gen_s += time.perf_counter() - t0
-                if worker is None:  # run now, so an error stops the turn before the next part generates
-                    pending.append(_finished(score_and_expand(part, first, turn, early_feedback)))
-                else:
-                    pending.append(worker.submit(score_and_expand, part, first, turn, early_feedback))
-            t_wait = time.perf_counter()
-            parts = [p.result() for p in pending]
-            wait_s = time.perf_counter() - t_wait
-            scored = [s for p in parts for s in p["scored"]]
-            rewards = np.concatenate([p["rewards"] for p in parts])
-            failed = np.concatenate([p["failed"] for p in parts])
-            reward_s = sum(p["reward_s"] for p in parts)
-            feedback_s = sum(p.get("feedback_s", 0.0) for p in parts)
-            if worker is not None:
-                rollout.timings["overlap_wait_s"] = rollout.timings.get("overlap_wait_s", 0.0) + wait_s
-
-            # 2b) dynamic sampling: regenerate the nodes whose every agent group got equal rewards
-            for attempt in range(1, tree.resample_zero_std + 1):
-                flat = [i for i in range(len(level)) if all_groups_flat(
-                    joint, own_values(rewards[i], level[i].agent_rewards, tree.team_weight), k, tree.cross_credit)]
-                if not flat:
-                    break
-                t0 = time.perf_counter()
-                generate([level[i] for i in flat], attempt)
-                t1 = time.perf_counter()
-                again, again_rewards, again_failed = score([level[i] for i in flat], turn)
-                for row, i in enumerate(flat):
-                    scored[i * len(joint) : (i + 1) * len(joint)] = again[row * len(joint) : (row + 1) * len(joint)]
-                    rewards[i], failed[i] = again_rewards[row], again_failed[row]
-                rollout.resampled_nodes += len(flat)
-                t2 = time.perf_counter()
-                gen_s, reward_s = gen_s + t1 - t0, reward_s + t2 - t1
-            rollout.reward_errors += int(failed.sum())
-
-            # 3) expand: joint actions that are neither at the turn limit nor terminated get a child;
-            #    the feedback layer sees all of this turn's expanding branches at once (per part with
-            #    overlap_chunks > 1)
-            if early_feedback:
-                done = [p["expanded"] for p in parts]
-            else:
-                t2 = time.perf_counter()
-                done = [expand(level, 0, turn, scored, rewards, failed)]
-                feedback_s += time.perf_counter() - t2
-            next_level: list[Node] = []
-            for _, parents, branches, prompts in done:
-                for (i, j), branch, child_prompts in zip(parents, branches, prompts):
-                    level[i].children[j] = first_id + len(level) + len(next_level)
-                    next_level.append(Node(
-                        tree=level[i].tree, turn=turn + 1, parent=(first_id + i, j), prompts=child_prompts,
-                        prompt_history=[branch.prompt_history[a] + [child_prompts[a]] for a in range(n)],
-                        response_history=branch.response_history,
-                        stream=None if level[i].stream is None else stream_key(level[i].stream, j),
-                    ))
-            rollout.terminated_per_turn.append(sum(d[0] for d in done))
-            rollout.timings["gen_s"] += gen_s
-            rollout.timings["reward_s"] += reward_s
-            rollout.timings["feedback_s"] += feedback_s
-            level = next_level
-            if not level:
-                break
-    finally:
-        if worker is not None:
-            worker.shutdown(wait=True, cancel_futures=True)
-    return rollout
+    index, path of joint actions from the root, agent, sample): a tree draws the same random numbers
+    whatever else is in the batch, e.g. when a data-parallel run gives this process the trees from
+    `tree_offset` on (its tokens can still differ at a near tie where the batch rounds its logits
+    otherwise: docs/long-runs.md, Reproducibility)."""
+    return TreeExpander(problems, env, backend, feedback, tree, sampling, seed, tree_offset).run()
 
 
 def portable(rollout: Rollout, tree_offset: int) -> Rollout:
@@ -345,40 +403,3 @@ def merge_rollouts(parts: Sequence[Rollout]) -> Rollout:
         reward_errors=sum(part.reward_errors for part in parts),
         resampled_nodes=sum(part.resampled_nodes for part in parts),
     )
-
-
-def assign_advantages(nodes: list[Node], discount: float, cross_credit: str, baseline: str, scale: str,
-                      group_by: str = "node", team_weight: float = 1.0) -> np.ndarray:
-    """Fill node.returns (team), node.agent_returns (per agent: only with per-agent rewards and
-    team_weight < 1), node.advantages and node.zero_std; returns the (nodes, N) zero-variance-group mask."""
-    children = [node.children for node in nodes]
-    returns = tree_returns([node.rewards for node in nodes], children, discount)
-    own = agent_rewards_of(nodes, team_weight)
-    per_agent: list[np.ndarray | None] = [None] * len(nodes)
-    if own is not None:  # every agent's returns flow up the tree from its own rewards
-        columns = [tree_returns([o[:, a] for o in own], children, discount) for a in range(own[0].shape[1])]
-        per_agent = [np.stack([column[m] for column in columns], axis=1) for m in range(len(nodes))]
-    values = []
-    for node, g, mine in zip(nodes, returns, per_agent):
-        node.returns, node.agent_returns = g, mine
-        values.append(
-            agent_credit(node.joint, g if mine is None else mine, len(node.completions[0]), cross_credit)
-        )  # (N, K)
-    pools: dict = {}
-    group_key = GROUP_BY.get(group_by)
-    for m, node in enumerate(nodes):
-        pools.setdefault(group_key(m, node.tree, node.turn), []).append(m)
-    for members in pools.values():
-        advantages, zero_std = pooled_advantages([values[m] for m in members], baseline, scale)
-        for m, adv, zero in zip(members, advantages, zero_std):
-            nodes[m].advantages, nodes[m].zero_std = adv, zero
-    return np.array([node.zero_std for node in nodes])
-
-
-def agent_rewards_of(nodes: list[Node], team_weight: float) -> list[np.ndarray] | None:
-    """Each node's (J, N) per-agent rewards mixed with the team reward; None (the team reward alone)
-    when no node has per-agent rewards or team_weight is 1."""
-    if team_weight == 1 or all(node.agent_rewards is None for node in nodes):
-        return None
-    return [mix_rewards(node.rewards, node.agent_rewards if node.agent_rewards is not None else
-                        np.repeat(node.rewards[:, None], len(node.completions), axis=1), team_weight) for node in nodes]

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from . import checkpoint
+from .advantage import AdvantageSettings, assign_advantages
 from .backends import make_backend
 from .config import TrainConfig, check_finite
 from .console import StopSignals, progress_bar, startup_line, summary_line
@@ -24,14 +25,7 @@ from .generation import SamplingParams
 from .guards import BadSteps, Halvable, oom_retry
 from .loss import kept_completions
 from .metrics import Counter, Maximum, reduce_over_ranks
-from .rollout import (
-    Rollout,
-    TreeSettings,
-    assign_advantages,
-    expand_trees,
-    merge_rollouts,
-    portable,
-)
+from .rollout import Rollout, TreeSettings, expand_trees, merge_rollouts, portable
 from .run_io import NullWriter, RunWriter, make_run_dir, tree_records
 from .sampling import stream_key
 from .tree import count_leaves
@@ -130,8 +124,7 @@ def _train(cfg: TrainConfig, env: Environment, feedback: Feedback, world: World)
             run.log(0, {**run.evaluate(0), **run.own_metrics(feedback.metrics(), run.backend.metrics())})
         for step in range(run.first_step, trainer.steps + 1):
             rollout, collected = run.collect(step)                      # expand this rank's trees
-            assign_advantages(rollout.nodes, trainer.discount, trainer.cross_credit, trainer.baseline,
-                              trainer.advantage_scale, trainer.group_by, cfg.reward.team_weight)
+            assign_advantages(rollout.nodes, run.advantage_settings)
             agent_stats, update_s = run.update(rollout)                 # each agent's LoRA on its own tokens
             run.bad_steps.check(step, agent_stats)
             metrics, whole = run.step_metrics(step, rollout, agent_stats, collected, update_s)
@@ -177,6 +170,7 @@ class Run:
         self.writer = RunWriter(self.dir, asdict(cfg), cfg.logging.wandb) if world.is_main else NullWriter()
         self.eval_problems = env.problems("eval")[: cfg.eval.max_problems or None] if evaluates(cfg) else []
         self.tree = TreeSettings.of(cfg)
+        self.advantage_settings = AdvantageSettings.of(cfg)
         self.update_settings = UpdateSettings.of(cfg)
         self.micro_batch = Halvable("trainer.micro_batch_size", trainer.micro_batch_size)
         self.bad_steps = BadSteps(trainer.max_bad_steps)

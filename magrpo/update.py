@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from .distributed import World
-from .loss import gather_logprobs, policy_loss, sequence_weights, token_entropy
+from .loss import LossSettings, gather_logprobs, policy_loss, sequence_weights, token_entropy
 from .models import Agent
 
 
@@ -156,41 +156,28 @@ def trained_rows(samples: list[TrainSample], kl_coef: float) -> list[int]:
 
 @dataclass(frozen=True)
 class UpdateSettings:
-    """How each agent's update turns its samples into a step (trainer.* and generation.* keys)."""
+    """How each agent's update turns its samples into a step (trainer.* and generation.* keys; every
+    default lives in magrpo.config)."""
 
-    loss_agg: str = "token_mean"
-    max_new_tokens: int = 32
-    ppo_epochs: int = 1
-    clip_eps: float = 0.2
-    kl_coef: float = 0.0
-    max_grad_norm: float = 1.0
-    tis_cap: float = 0.0
-    temperature: float = 1.0  # the sampling temperature: log-probs are scored under it
-    clip_eps_high: float | None = None  # None: clip_eps
-    ratio_level: str = "token"  # token | sequence (GSPO)
-    entropy_coef: float = 0.0
+    loss: LossSettings
+    loss_agg: str
+    max_new_tokens: int
+    ppo_epochs: int
+    max_grad_norm: float
+    tis_cap: float
+    temperature: float  # the sampling temperature: log-probs are scored under it
 
     @property
     def per_token_coef(self) -> float:
         """Nonzero when a per-token term (KL, entropy bonus) trains zero-advantage rows too."""
-        return self.kl_coef + self.entropy_coef
+        return self.loss.kl_coef + self.loss.entropy_coef
 
     @classmethod
     def of(cls, cfg) -> "UpdateSettings":
         trainer = cfg.trainer
-        return cls(
-            trainer.loss_agg,
-            cfg.generation.max_new_tokens,
-            trainer.ppo_epochs,
-            trainer.clip_eps,
-            trainer.kl_coef,
-            trainer.max_grad_norm,
-            trainer.tis_cap,
-            cfg.generation.temperature,
-            trainer.clip_eps_high,
-            trainer.ratio_level,
-            trainer.entropy_coef,
-        )
+        return cls(loss=LossSettings.of(cfg), loss_agg=trainer.loss_agg, max_new_tokens=cfg.generation.max_new_tokens,
+                   ppo_epochs=trainer.ppo_epochs, max_grad_norm=trainer.max_grad_norm, tis_cap=trainer.tis_cap,
+                   temperature=cfg.generation.temperature)
 
 
 class AgentUpdater:
@@ -234,21 +221,20 @@ class AgentUpdater:
             for b, rows in enumerate(batches):
                 batch = pack([samples[i] for i in rows], agent.tokenizer.pad_token_id).to(device)
                 adv = torch.tensor([samples[i].advantage for i in rows], dtype=torch.float32, device=device)
-                bonus = s.entropy_coef > 0  # the entropy bonus needs the entropy, with its gradient, every epoch
+                bonus = s.loss.entropy_coef > 0  # the entropy bonus needs the entropy, with its gradient, every epoch
                 logp, entropy = forward_logprobs(model, batch, s.temperature, with_entropy=epoch == 0 or bonus,
                                                  entropy_grad=bonus)
                 if epoch == 0:  # parameters have not moved yet: these are the behaviour log-probs
                     totals["entropy_sum"] += float((entropy.detach() * batch.target_mask).sum())
                     old_logps.append(logp.detach())
-                    ref_logps.append(self._reference_logprobs(batch, s.temperature) if s.kl_coef > 0 else None)
+                    ref_logps.append(self._reference_logprobs(batch, s.temperature) if s.loss.kl_coef > 0 else None)
                     weight, seen = importance_weights(logp.detach(), [samples[i] for i in rows], batch.target_mask,
                                                       s.tis_cap)
                     is_weights.append(weight)
                     for key, value in seen.items():
                         mismatch[key] += value
                 loss, stats = policy_loss(logp, old_logps[b], adv, batch.target_mask, weights[rows].to(device),
-                                          s.clip_eps, ref_logps[b], s.kl_coef, is_weights[b], s.clip_eps_high,
-                                          s.ratio_level, entropy if bonus else None, s.entropy_coef)
+                                          s.loss, ref_logps[b], is_weights[b], entropy if bonus else None)
                 loss.backward()
                 if epoch == s.ppo_epochs - 1:
                     for key in ("loss", "clipped_tokens", "clipped_high_tokens", "kl_sum"):

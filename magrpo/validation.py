@@ -16,7 +16,7 @@ from .errors import ConfigError
 def validate(cfg: TrainConfig) -> None:
     """Value checks that types alone cannot express. Registries are read here, so the env and
     feedback modules must be imported first (train.py does)."""
-    from .advantage import BASELINES, CREDITS, SCALES
+    from .advantage import BASELINES, CREDITS, ESTIMATORS, SCALES
     from .loss import LOSS_AGGS
     from .tree import JOINT_MODES, parse_expand
 
@@ -79,6 +79,7 @@ def validate(cfg: TrainConfig) -> None:
         parse_expand(trainer.expand)
     except ValueError as e:
         raise ConfigError("trainer.expand", str(e)) from None
+    choice("trainer.advantage_estimator", trainer.advantage_estimator, ESTIMATORS.names())
     choice("trainer.cross_credit", trainer.cross_credit, CREDITS.names())
     choice("trainer.baseline", trainer.baseline, BASELINES.names())
     choice("trainer.advantage_scale", trainer.advantage_scale, SCALES.names())

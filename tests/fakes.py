@@ -4,18 +4,43 @@ from __future__ import annotations
 
 import copy
 import re
+from dataclasses import replace
 from typing import Callable
 
-from magrpo.config import ExternalConfig
+from magrpo.advantage import AdvantageSettings
+from magrpo.config import ExternalConfig, TrainConfig
 from magrpo.env import Environment
 from magrpo.feedback import Feedback
 from magrpo.generation import SamplingParams
+from magrpo.loss import LossSettings
+from magrpo.rollout import TreeSettings
 from magrpo.tree import Completion
+from magrpo.update import UpdateSettings
 
 PROBLEMS = [{"prompt": "P0", "offset": 0.0}, {"prompt": "P1", "offset": 0.25}]
 B = len(PROBLEMS)
 SAMPLING = SamplingParams(max_new_tokens=4)
 TEXT = re.compile(r"^a(\d+)k(\d+)u(\d+)$")
+
+# Settings objects have no defaults of their own (magrpo.config holds them all): the default config's,
+# with a test's changes.
+DEFAULTS = TrainConfig()
+
+
+def tree_settings(**changes) -> TreeSettings:
+    return replace(TreeSettings.of(DEFAULTS), **changes)
+
+
+def advantage_settings(**changes) -> AdvantageSettings:
+    return replace(AdvantageSettings.of(DEFAULTS), **changes)
+
+
+def loss_settings(**changes) -> LossSettings:
+    return replace(LossSettings.of(DEFAULTS), **changes)
+
+
+def update_settings(**changes) -> UpdateSettings:
+    return replace(UpdateSettings.of(DEFAULTS), **changes)
 
 
 class FakeBackend:

@@ -5,13 +5,23 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from magrpo.advantage import agent_credit, mix_rewards, pooled_advantages
+from magrpo.advantage import agent_credit, assign_advantages, mix_rewards, pooled_advantages
 from magrpo.config import ConfigError
 from magrpo.env import Scored
-from magrpo.rollout import RewardError, TreeSettings, assign_advantages, expand_trees
+from magrpo.rollout import RewardError, expand_trees
 from magrpo.trainer import prepare, train
 from magrpo.tree import Completion, Node, align_joint_actions, cross_joint_actions
-from tests.fakes import PROBLEMS, SAMPLING, TEXT, FakeBackend, FakeEnv, RecordingFeedback, serial
+from tests.fakes import (
+    PROBLEMS,
+    SAMPLING,
+    TEXT,
+    FakeBackend,
+    FakeEnv,
+    RecordingFeedback,
+    advantage_settings,
+    serial,
+    tree_settings,
+)
 from tests.test_train_smoke import read_jsonl
 
 ALIGN = align_joint_actions(2, 2)
@@ -69,7 +79,8 @@ def two_trees():
 def test_group_by_node_by_hand():
     # returns: leaves as rewards; tree 0's root [0 + mean(1, 3), 0 + mean(5, 7)] = [2, 6] -> adv [-2, 2]
     nodes = two_trees()
-    zero = assign_advantages(nodes, 1.0, "mean", "mean", "none", group_by="node")
+    zero = assign_advantages(nodes, advantage_settings(discount=1.0, cross_credit="mean", baseline="mean",
+                                                       scale="none", group_by="node"))
     np.testing.assert_allclose(nodes[0].returns, [2.0, 6.0])
     for n, want in zip(nodes, ([-2, 2], [0, 0], [-1, 1], [-1, 1])):
         np.testing.assert_allclose(n.advantages, [want, want])  # align: both agents see the same values
@@ -80,7 +91,8 @@ def test_group_by_agent_turn_pools_the_nodes_of_one_turn_of_one_tree():
     # turn 1 of tree 0: [1, 3, 5, 7], mean 4 -> [-3, -1] and [1, 3]; the two roots stay apart (different
     # trees): tree 0's [-2, 2], tree 1's flat [10, 10] -> 0 (pooled together they would not be)
     nodes = two_trees()
-    zero = assign_advantages(nodes, 1.0, "mean", "mean", "none", group_by="agent_turn")
+    zero = assign_advantages(nodes, advantage_settings(discount=1.0, cross_credit="mean", baseline="mean",
+                                                       scale="none", group_by="agent_turn"))
     for n, want in zip(nodes, ([-2, 2], [0, 0], [-3, -1], [1, 3])):
         np.testing.assert_allclose(n.advantages, [want, want])
     assert zero[:, 1].tolist() == [False, True, False, False]
@@ -102,7 +114,8 @@ def test_per_agent_rewards_mixed_by_team_weight_by_hand():
     # credit (align): agent 0 [3, 1] -> [1, -1]; agent 1 [4.5, 0] -> [2.25, -2.25]
     # leaf: agent 0 [1, 5] -> [-2, 2]; agent 1 [2, 3] -> [-0.5, 0.5]; team returns stay [3, 0] and [2, 4]
     nodes = per_agent_tree()
-    assign_advantages(nodes, 1.0, "mean", "mean", "none", team_weight=0.5)
+    assign_advantages(nodes, advantage_settings(discount=1.0, cross_credit="mean", baseline="mean", scale="none",
+                                                team_weight=0.5))
     np.testing.assert_allclose(nodes[0].agent_returns, [[3.0, 4.5], [1.0, 0.0]])
     np.testing.assert_allclose(nodes[0].returns, [3.0, 0.0])
     np.testing.assert_allclose(nodes[0].advantages, [[1.0, -1.0], [2.25, -2.25]])
@@ -112,14 +125,16 @@ def test_per_agent_rewards_mixed_by_team_weight_by_hand():
 def test_team_weight_one_is_the_team_reward_and_zero_is_each_agents_own():
     # w = 1: the team returns [3, 0] for both agents -> [1.5, -1.5]; leaf [2, 4] -> [-1, 1]
     nodes = per_agent_tree()
-    assign_advantages(nodes, 1.0, "mean", "mean", "none", team_weight=1.0)
+    assign_advantages(nodes, advantage_settings(discount=1.0, cross_credit="mean", baseline="mean", scale="none",
+                                                team_weight=1.0))
     assert nodes[0].agent_returns is None
     np.testing.assert_allclose(nodes[0].advantages, [[1.5, -1.5], [1.5, -1.5]])
     np.testing.assert_allclose(nodes[1].advantages, [[-1.0, 1.0], [-1.0, 1.0]])
     # w = 0: leaf own [[0, 2], [6, 2]], means 3 and 2; root joint 0 [0 + 3, 4 + 2] = [3, 6], joint 1 [2, 0]
     # agent 0 [3, 2] -> [0.5, -0.5]; agent 1 [6, 0] -> [3, -3]
     nodes = per_agent_tree()
-    assign_advantages(nodes, 1.0, "mean", "mean", "none", team_weight=0.0)
+    assign_advantages(nodes, advantage_settings(discount=1.0, cross_credit="mean", baseline="mean", scale="none",
+                                                team_weight=0.0))
     np.testing.assert_allclose(nodes[0].advantages, [[0.5, -0.5], [3.0, -3.0]])
 
 
@@ -139,8 +154,8 @@ class PerAgentEnv(FakeEnv):
 
 
 def expand(env, team_weight=1.0, on_error="raise", resample=0):
-    settings = TreeSettings(num_generations=2, num_turns=1, joint_mode="align", on_reward_error=on_error,
-                            team_weight=team_weight, resample_zero_std=resample)
+    settings = tree_settings(num_generations=2, num_turns=1, joint_mode="align", on_reward_error=on_error,
+                             team_weight=team_weight, resample_zero_std=resample)
     return expand_trees(PROBLEMS[:1], env, FakeBackend(), serial(RecordingFeedback(), env), settings, SAMPLING)
 
 
@@ -150,7 +165,8 @@ def test_env_per_agent_rewards_reach_the_advantages():
     rollout = expand(PerAgentEnv(), team_weight=0.5)
     (root,) = rollout.nodes
     np.testing.assert_allclose(root.agent_rewards, [[0.0, 0.0], [10.0, 10.0]])
-    assign_advantages(rollout.nodes, 1.0, "mean", "mean", "none", team_weight=0.5)
+    assign_advantages(rollout.nodes, advantage_settings(discount=1.0, cross_credit="mean", baseline="mean",
+                                                        scale="none", team_weight=0.5))
     np.testing.assert_allclose(root.advantages, [[-3.0, 3.0], [-3.0, 3.0]])
 
 

@@ -12,12 +12,13 @@ import time
 import pytest
 import torch
 
+from magrpo.advantage import assign_advantages
 from magrpo.distributed import World
 from magrpo.metrics import Counter, Gauge, Maximum, reduce_over_ranks
-from magrpo.rollout import TreeSettings, assign_advantages, expand_trees, merge_rollouts, portable
+from magrpo.rollout import expand_trees, merge_rollouts, portable
 from magrpo.run_io import tree_records
 from tests.conftest import ROOT, SMALL
-from tests.fakes import PROBLEMS, SAMPLING, FakeBackend, FakeEnv, serial
+from tests.fakes import PROBLEMS, SAMPLING, FakeBackend, FakeEnv, advantage_settings, serial, tree_settings
 
 
 @pytest.mark.parametrize("count,size", [(4, 2), (3, 2), (5, 3), (2, 2), (7, 1)])
@@ -31,9 +32,10 @@ def test_shards_are_contiguous_cover_everything_and_differ_by_at_most_one(count,
 
 def _rollout(problems, mode="cross", threshold=2.0):
     env = FakeEnv(2)
-    tree = TreeSettings(2, 3, mode, early_termination_threshold=threshold)
+    tree = tree_settings(num_generations=2, num_turns=3, joint_mode=mode, early_termination_threshold=threshold)
     rollout = expand_trees(problems, env, FakeBackend(), serial(lambda **kw: ["x", "y"], env), tree, SAMPLING)
-    assign_advantages(rollout.nodes, 1.0, "mean", "mean", "none")
+    assign_advantages(rollout.nodes, advantage_settings(discount=1.0, cross_credit="mean", baseline="mean",
+                                                        scale="none"))
     return rollout
 
 
@@ -76,8 +78,12 @@ def test_rank_metrics_merge_by_their_kind():
 
 # B=3 trees over 2 processes: an uneven split (2 + 1), so a per-rank loss normaliser would show.
 # A small lr keeps Adam's sign-like first steps from turning reduction-order noise into different samples.
+# Rows decoded one at a time (max_batch_rows=1): a process decodes fewer trees per call than one process
+# does, and other batch shapes can round the logits otherwise and, at a near tie, swap a token
+# (tests/near_ties.py): the rollouts are then byte-identical on every CPU, not only where no tie fell.
 RUN = [*SMALL, "trainer.steps=3", "trainer.batch_size=3", "generation.max_new_tokens=10", "trainer.lr=1e-5",
-       "eval.every=1", "eval.at_end=false", "eval.max_problems=3", "checkpoint.every=1", "checkpoint.keep=5"]
+       "eval.every=1", "eval.at_end=false", "eval.max_problems=3", "checkpoint.every=1", "checkpoint.keep=5",
+       "generation.max_batch_rows=1"]
 
 
 def run(run_dir, procs: int, *overrides):

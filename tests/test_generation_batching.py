@@ -12,10 +12,12 @@ from magrpo.feedback import Feedback
 from magrpo.generation import GenerationRequest, SamplingParams
 from magrpo.hf_backend import HFBackend
 from magrpo.models import load_agents
-from magrpo.rollout import TreeSettings, expand_trees
+from magrpo.rollout import expand_trees
 from magrpo.sampling import stream_key
 from magrpo.tiny import TinySpec, tiny_model_path
 from magrpo.update import TrainSample, forward_logprobs, pack
+from tests.fakes import tree_settings
+from tests.near_ties import same_up_to_a_near_tie, shared_prefix
 
 SAMPLING = SamplingParams(max_new_tokens=6)
 
@@ -41,7 +43,8 @@ def test_generate_calls_per_step_do_not_grow_with_batch_or_k(agents, batch, k, m
     backend = HFBackend(agents)
     problems = env.problems("train")[:batch]
     feedback = Feedback(ExternalConfig(), env, plain)
-    rollout = expand_trees(problems, env, backend, feedback, TreeSettings(k, 2, mode), SAMPLING)
+    rollout = expand_trees(problems, env, backend, feedback, tree_settings(num_generations=k, num_turns=2,
+                                                                           joint_mode=mode), SAMPLING)
     assert backend.generate_calls == 2  # one per turn, whatever B, K, N and the number of nodes
     joint = k if mode == "align" else k * k
     assert len(rollout.nodes) == batch * (1 + joint)
@@ -55,7 +58,8 @@ def test_agents_with_their_own_base_model_get_one_call_each_per_turn(make_cfg, t
     env = LengthRatioEnv(LengthRatioEnv.Config(num_agents=2))
     backend = HFBackend(agents)
     feedback = Feedback(ExternalConfig(), env, plain)
-    expand_trees(env.problems("train")[:2], env, backend, feedback, TreeSettings(2, 2, "align"), SAMPLING)
+    expand_trees(env.problems("train")[:2], env, backend, feedback, tree_settings(num_generations=2, num_turns=2,
+                                                                                  joint_mode="align"), SAMPLING)
     assert backend.generate_calls == 2 * 2  # two base models, two turns
 
 
@@ -99,23 +103,42 @@ def test_sampling_logprobs_match_the_trainers_recomputed_logprobs(agents, temper
                                        atol=2e-4, rtol=1e-4)
 
 
+MINE = GenerationRequest("def f(x):", 1, 3, seed=stream_key(0, 5))
+OTHERS = [GenerationRequest(p, a, 4, seed=stream_key(1, i)) for i, (p, a) in
+          enumerate([("import os", 0), ("x = [", 1), ("class A:\n    def", 0)])]
+HOT = SamplingParams(max_new_tokens=8, temperature=1.5, logprobs=True)  # no top-k/top-p: see tests/near_ties.py
+
+
+def mine_in(backend, requests):
+    return backend.generate(requests, HOT)[requests.index(MINE)]
+
+
 def test_a_seeded_request_samples_the_same_alone_in_a_batch_or_in_chunks(agents):
-    """Per-row random streams: what a request samples does not depend on the rest of the decode
-    batch (the basis of data-parallel runs matching one process), and changes with its seed."""
-    params = SamplingParams(max_new_tokens=8, temperature=1.5)
-    mine = GenerationRequest("def f(x):", 1, 3, seed=stream_key(0, 5))
-    others = [GenerationRequest(p, a, 4, seed=stream_key(1, i)) for i, (p, a) in
-              enumerate([("import os", 0), ("x = [", 1), ("class A:\n    def", 0)])]
+    """Per-row random streams: what a request samples does not depend on the rest of the call (the
+    basis of data-parallel runs matching one process), and changes with its seed. Rows decoded one
+    at a time, so only the streams can differ (tests/near_ties.py: full batches may round the logits
+    otherwise)."""
+    def ids(requests):
+        return [c.token_ids for c in mine_in(HFBackend(agents, max_batch_rows=1), requests)]
 
-    def ids(backend, requests):
-        return [c.token_ids for c in backend.generate(requests, params)[requests.index(mine)]]
-
-    alone = ids(HFBackend(agents), [mine])
-    assert ids(HFBackend(agents), [*others, mine]) == alone
-    assert ids(HFBackend(agents, max_batch_rows=2), [others[0], mine, others[1]]) == alone
-    reseeded = GenerationRequest(mine.prompt, mine.agent, mine.n, seed=stream_key(0, 6))
-    assert [c.token_ids for c in HFBackend(agents).generate([reseeded], params)[0]] != alone
+    alone = ids([MINE])
+    assert ids([*OTHERS, MINE]) == alone
+    assert ids([OTHERS[0], MINE, OTHERS[1]]) == alone
+    reseeded = GenerationRequest(MINE.prompt, MINE.agent, MINE.n, seed=stream_key(0, 6))
+    assert [c.token_ids for c in HFBackend(agents).generate([reseeded], HOT)[0]] != alone
     assert len({tuple(t) for t in alone}) > 1  # the n samples of one request differ from each other
+
+
+def test_a_request_in_a_full_batch_samples_the_same_up_to_near_ties(agents):
+    """Decoded with other requests (other row counts and left padding), a request's samples keep their
+    streams: equal tokens, log-probs within rounding, except where a uniform falls on a CDF boundary."""
+    alone = mine_in(HFBackend(agents, max_batch_rows=1), [MINE])
+    for backend in (HFBackend(agents), HFBackend(agents, max_batch_rows=2)):
+        for got, want in zip(mine_in(backend, [*OTHERS, MINE]), alone):
+            assert same_up_to_a_near_tie(got.token_ids, want.token_ids), (got.token_ids, want.token_ids)
+            n = shared_prefix(got.token_ids, want.token_ids)
+            torch.testing.assert_close(torch.tensor(got.logprobs[:n]), torch.tensor(want.logprobs[:n]),
+                                       rtol=0, atol=1e-4)
 
 
 def test_training_scores_tokens_under_the_sampling_temperature(make_cfg):
@@ -156,16 +179,16 @@ def test_row_adapters_compute_what_peft_mixed_batching_does(agents, grouped):
 
 
 @pytest.mark.parametrize("logprobs", [False, True])
-def test_dropping_finished_rows_leaves_every_token_and_logprob_unchanged(agents, logprobs):
-    """Tokens bit for bit; log-probs to float rounding (a smaller batch's matrix products may sum in
-    another order: ~2e-6 here)."""
+def test_dropping_finished_rows_keeps_every_rows_stream(agents, logprobs):
+    """Every row keeps its stream: tokens equal up to near ties, log-probs to float rounding (a smaller
+    batch's matrix products may round otherwise: ~2e-6 here; tests/near_ties.py)."""
     from magrpo.hf_backend import decode
 
     model = agents[0].model
     prompts = [agents[0].encode_prompts(["def f(x):"])[0], agents[1].encode_prompts(["import os\n"])[0]]
     expand = torch.tensor([0] * 6 + [1] * 6)
-    params = SamplingParams(max_new_tokens=24, temperature=1.3, top_p=0.95, logprobs=logprobs)
-    eos = list(range(3, 4096, 29))  # many stop tokens: rows end at many different lengths
+    params = SamplingParams(max_new_tokens=24, temperature=1.3, logprobs=logprobs)  # no top-p: near ties
+    eos = list(range(3, 4096, 17))  # many stop tokens: rows end at many different lengths
     rows_run = []  # batch rows of every forward
     hook = model.register_forward_pre_hook(lambda m, args, kw: rows_run.append(kw["input_ids"].shape[0]),
                                            with_kwargs=True)
@@ -182,7 +205,10 @@ def test_dropping_finished_rows_leaves_every_token_and_logprob_unchanged(agents,
     assert work[True] < 0.8 * work[False]  # finished rows really left the batch
     lengths = [next((t + 1 for t, i in enumerate(row.tolist()) if i in eos), len(row)) for row in run[False][0]]
     assert len(set(lengths)) > 3 and min(lengths) < 12  # rows really finish early, at different steps
-    assert torch.equal(run[True][0], run[False][0])
-    if logprobs:
-        for row, n in enumerate(lengths):
-            torch.testing.assert_close(run[True][1][row, :n], run[False][1][row, :n], rtol=0, atol=1e-5)
+    for row, n in enumerate(lengths):
+        dropped, kept = run[True][0][row].tolist(), run[False][0][row, :n].tolist()
+        dropped = dropped[: next((t + 1 for t, i in enumerate(dropped) if i in eos), len(dropped))]
+        assert same_up_to_a_near_tie(dropped, kept), (row, dropped, kept)
+        if logprobs:
+            m = shared_prefix(dropped, kept)
+            torch.testing.assert_close(run[True][1][row, :m], run[False][1][row, :m], rtol=0, atol=1e-5)

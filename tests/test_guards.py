@@ -12,9 +12,9 @@ import magrpo.update
 from magrpo.config import ExternalConfig
 from magrpo.errors import RewardError, TrainingError
 from magrpo.feedback import Feedback
-from magrpo.rollout import TreeSettings, expand_trees
+from magrpo.rollout import expand_trees
 from magrpo.trainer import train
-from tests.fakes import PROBLEMS, SAMPLING, TEXT, FakeBackend, FakeEnv
+from tests.fakes import PROBLEMS, SAMPLING, TEXT, FakeBackend, FakeEnv, tree_settings
 
 
 def nan_loss_on(calls_to_poison):
@@ -59,7 +59,7 @@ def failing_on_k1_of_agent0(problem, texts):
 
 def expand(on_error):
     env = FakeEnv(2, failing_on_k1_of_agent0)
-    settings = TreeSettings(num_generations=3, num_turns=2, joint_mode="align", on_reward_error=on_error)
+    settings = tree_settings(num_generations=3, num_turns=2, joint_mode="align", on_reward_error=on_error)
     return expand_trees(PROBLEMS, env, FakeBackend(), Feedback(ExternalConfig(), env, lambda **kw: ["x", "y"]),
                         settings, SAMPLING)
 
@@ -73,7 +73,7 @@ def test_raising_env_is_named_with_the_joint_action():
 
 def test_nan_reward_is_named_too():
     env = FakeEnv(2, lambda problem, texts: math.nan)
-    settings = TreeSettings(num_generations=2, num_turns=1, joint_mode="align")
+    settings = tree_settings(num_generations=2, num_turns=1, joint_mode="align")
     with pytest.raises(RewardError, match="joint action 0 of turn 0 .*non-finite reward nan"):
         expand_trees(PROBLEMS, env, FakeBackend(), Feedback(ExternalConfig(), env, lambda **kw: ["x", "y"]),
                      settings, SAMPLING)

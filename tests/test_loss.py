@@ -13,7 +13,7 @@ from transformers import Qwen2ForCausalLM
 
 from magrpo.loss import k3_kl, policy_loss, sequence_weights, token_logprobs
 from magrpo.update import TrainSample
-from tests.fakes import tiny_qwen2
+from tests.fakes import loss_settings, tiny_qwen2
 
 PAD = 63
 
@@ -134,7 +134,7 @@ def test_on_policy_loss_value_and_gradient_match_loop_reference(model, agg):
 
     embeds = embeds.clone().requires_grad_(True)
     logp = _logp_from(model, embeds, attention, ids)
-    loss, stats = policy_loss(logp, logp.detach(), adv, target, w, clip_eps=0.2)
+    loss, stats = policy_loss(logp, logp.detach(), adv, target, w, loss_settings(clip_eps=0.2))
     (grad,) = torch.autograd.grad(loss, embeds)
 
     # reference surrogate from the sample lengths (not the target mask): -sum_i w_i sum_t A_i logp_it
@@ -159,7 +159,7 @@ def test_token_mean_loss_value_by_hand():
     ids, _, target = collate(SAMPLES, pad_id=PAD)
     logp = torch.randn(ids.shape)
     w = sequence_weights("token_mean", torch.tensor([2, 4, 1]), MAX_NEW_TOKENS)
-    loss, _ = policy_loss(logp, logp.clone(), torch.tensor([1.5, -0.5, 2.0]), target, w, clip_eps=0.2)
+    loss, _ = policy_loss(logp, logp.clone(), torch.tensor([1.5, -0.5, 2.0]), target, w, loss_settings(clip_eps=0.2))
     torch.testing.assert_close(loss, torch.tensor(-3 / 7))
 
 
@@ -172,7 +172,7 @@ def _off_policy_loss(model, target_ids, embeds_override=None):
         e = embeds if embeds_override is None else embeds_override
         logp = _logp_from(model, e, attention, target_ids)
         w = sequence_weights("seq_mean", torch.tensor([2, 4, 1]), MAX_NEW_TOKENS)
-        loss, _ = policy_loss(logp, old, adv, target, w, clip_eps=1e6)
+        loss, _ = policy_loss(logp, old, adv, target, w, loss_settings(clip_eps=1e6))
     return loss
 
 
@@ -207,7 +207,7 @@ def test_padding_inputs_are_invisible_and_get_no_gradient(model):
     w = sequence_weights("token_mean", torch.tensor([2, 4, 1]), MAX_NEW_TOKENS)
     x = embeds.clone().requires_grad_(True)
     logp = _logp_from(model, x, attention, ids)
-    loss, _ = policy_loss(logp, logp.detach(), adv, target, w, clip_eps=0.2)
+    loss, _ = policy_loss(logp, logp.detach(), adv, target, w, loss_settings(clip_eps=0.2))
     (grad,) = torch.autograd.grad(loss, x)
     for i, _start, end in _spans():
         pads = WIDTH - len(SAMPLES[i].prompt_ids) - len(SAMPLES[i].completion_ids)
@@ -236,7 +236,7 @@ def test_clipped_surrogate_positive_advantage_by_hand():
     # loss = -0.5 * (2.4 + 1.4 + 2.2) = -3.0 ; d loss / d logp = -w*A*r where unclipped, 0 where clipped
     logp = torch.log(torch.tensor([[1.5, 0.7, 1.1]])).requires_grad_(True)
     loss, stats = policy_loss(logp, torch.zeros(1, 3), torch.tensor([2.0]), torch.ones(1, 3, dtype=torch.bool),
-                              torch.tensor([0.5]), clip_eps=0.2)
+                              torch.tensor([0.5]), loss_settings(clip_eps=0.2))
     torch.testing.assert_close(loss, torch.tensor(-3.0))
     assert float(stats["clipped_tokens"]) == 1.0
     loss.backward()
@@ -251,7 +251,7 @@ def test_clipped_surrogate_negative_advantage_by_hand():
     # loss = 1.5 + 0.8 + 1.1 = 3.4
     logp = torch.log(torch.tensor([[1.5, 0.7, 1.1]]))
     loss, stats = policy_loss(logp, torch.zeros(1, 3), torch.tensor([-1.0]), torch.ones(1, 3, dtype=torch.bool),
-                              torch.tensor([1.0]), clip_eps=0.2)
+                              torch.tensor([1.0]), loss_settings(clip_eps=0.2))
     torch.testing.assert_close(loss, torch.tensor(3.4))
     assert float(stats["clipped_tokens"]) == 1.0
 
@@ -260,7 +260,8 @@ def test_clipped_tokens_ignore_masked_positions():
     # same as the A=+2 case with token 0 masked out: only 1.4 + 2.2 remain, no clipped token left
     logp = torch.log(torch.tensor([[1.5, 0.7, 1.1]]))
     mask = torch.tensor([[False, True, True]])
-    loss, stats = policy_loss(logp, torch.zeros(1, 3), torch.tensor([2.0]), mask, torch.tensor([0.5]), clip_eps=0.2)
+    loss, stats = policy_loss(logp, torch.zeros(1, 3), torch.tensor([2.0]), mask, torch.tensor([0.5]),
+                              loss_settings(clip_eps=0.2))
     torch.testing.assert_close(loss, torch.tensor(-0.5 * (1.4 + 2.2)))
     assert float(stats["clipped_tokens"]) == 0.0
 
@@ -269,7 +270,7 @@ def test_clipped_tokens_count_both_directions():
     # row 0 A=+1: r = [1.3 (bites), 0.5 (no), 1.0]; row 1 A=-1: r = [1.3 (no), 0.5 (bites), 0.79 (bites)]
     r = torch.tensor([[1.3, 0.5, 1.0], [1.3, 0.5, 0.79]])
     _, stats = policy_loss(torch.log(r), torch.zeros(2, 3), torch.tensor([1.0, -1.0]),
-                           torch.ones(2, 3, dtype=torch.bool), torch.ones(2), clip_eps=0.2)
+                           torch.ones(2, 3, dtype=torch.bool), torch.ones(2), loss_settings(clip_eps=0.2))
     assert float(stats["clipped_tokens"]) == 3.0
 
 
@@ -279,7 +280,7 @@ def test_policy_loss_adds_k3_kl_by_hand():
     logp = torch.zeros(1, 3)
     ref = torch.tensor([[0.0, math.log(2), -math.log(2)]])
     loss, stats = policy_loss(logp, logp.clone(), torch.tensor([1.0]), torch.ones(1, 3, dtype=torch.bool),
-                              torch.ones(1), clip_eps=0.2, ref_logp=ref, kl_coef=0.1)
+                              torch.ones(1), loss_settings(clip_eps=0.2, kl_coef=0.1), ref_logp=ref)
     torch.testing.assert_close(loss, torch.tensor(-2.95))
     torch.testing.assert_close(stats["kl_sum"], torch.tensor(0.5))
 

@@ -11,10 +11,20 @@ import torch
 from magrpo.advantage import all_groups_flat
 from magrpo.config import ConfigError
 from magrpo.loss import kept_completions, policy_loss, sequence_log_ratio, token_entropy
-from magrpo.rollout import TreeSettings, expand_trees
+from magrpo.rollout import expand_trees
 from magrpo.trainer import prepare, train
 from magrpo.tree import align_joint_actions, cross_joint_actions
-from tests.fakes import PROBLEMS, SAMPLING, TEXT, FakeBackend, FakeEnv, RecordingFeedback, serial
+from tests.fakes import (
+    PROBLEMS,
+    SAMPLING,
+    TEXT,
+    FakeBackend,
+    FakeEnv,
+    RecordingFeedback,
+    loss_settings,
+    serial,
+    tree_settings,
+)
 from tests.test_train_smoke import lora_tensors, read_jsonl
 
 # ---------------------------------------------------------------- GSPO: sequence-level ratio
@@ -40,7 +50,7 @@ def test_gspo_clips_whole_completions_by_hand():
     # gradient, row 0: d(-s)/d logp_t = -s * 1/2 = -0.4330 per completion token, 0 at padding
     logp = LOGP.clone().requires_grad_(True)
     loss, stats = policy_loss(logp, torch.zeros(2, 3), torch.tensor([1.0, 1.0]), MASK, torch.tensor([0.5, 1.0]),
-                              clip_eps=0.1, ratio_level="sequence")
+                              loss_settings(clip_eps=0.1, ratio_level="sequence"))
     s0 = math.sqrt(0.75)
     torch.testing.assert_close(loss, torch.tensor(-s0 - 1.1))
     assert float(stats["clipped_tokens"]) == 1.0 and float(stats["clipped_high_tokens"]) == 1.0
@@ -51,7 +61,7 @@ def test_gspo_clips_whole_completions_by_hand():
 def test_token_level_ratio_differs_on_the_same_batch():
     # token level, row 0: 1.5 -> clipped to 1.1, 0.5 -> 0.5: -0.5 * (1.1 + 0.5) = -0.8; row 1 as above: -1.1
     loss, stats = policy_loss(LOGP, torch.zeros(2, 3), torch.tensor([1.0, 1.0]), MASK, torch.tensor([0.5, 1.0]),
-                              clip_eps=0.1)
+                              loss_settings(clip_eps=0.1))
     torch.testing.assert_close(loss, torch.tensor(-0.8 - 1.1))
     assert float(stats["clipped_tokens"]) == 2.0
 
@@ -62,7 +72,7 @@ def test_sequence_and_token_ratio_give_the_same_gradient_on_policy():
     grads = []
     for level in ("token", "sequence"):
         loss, _ = policy_loss(logp, logp.detach(), torch.tensor([2.0, -1.0]), MASK, torch.tensor([0.5, 1.0]),
-                              clip_eps=0.2, ratio_level=level)
+                              loss_settings(clip_eps=0.2, ratio_level=level))
         grads.append(torch.autograd.grad(loss, logp)[0])
     torch.testing.assert_close(grads[0], grads[1])
     torch.testing.assert_close(grads[0], torch.tensor([[-1.0, -1.0, 0.0], [1.0, 0.0, 0.0]]))
@@ -78,15 +88,17 @@ def test_clip_higher_raises_only_the_upper_bound_by_hand():
     r = torch.tensor([[1.25, 1.35, 0.7]])
     ones = torch.ones(1, 3, dtype=torch.bool)
     loss, stats = policy_loss(torch.log(r), torch.zeros(1, 3), torch.tensor([1.0]), ones, torch.ones(1),
-                              clip_eps=0.2, clip_eps_high=0.28)
+                              loss_settings(clip_eps=0.2, clip_eps_high=0.28))
     torch.testing.assert_close(loss, torch.tensor(-3.23))
     assert float(stats["clipped_tokens"]) == 1.0 and float(stats["clipped_high_tokens"]) == 1.0
-    loss, stats = policy_loss(torch.log(r), torch.zeros(1, 3), torch.tensor([1.0]), ones, torch.ones(1), clip_eps=0.2)
+    loss, stats = policy_loss(torch.log(r), torch.zeros(1, 3), torch.tensor([1.0]), ones, torch.ones(1),
+                              loss_settings(clip_eps=0.2))
     torch.testing.assert_close(loss, torch.tensor(-3.1))
     assert float(stats["clipped_tokens"]) == 2.0 and float(stats["clipped_high_tokens"]) == 2.0
     # A = -1, ratios [0.7, 1.35]: 0.7 -> -min(-0.7, -0.8) = +0.8 (clipped low); 1.35 -> -min(-1.35, -1.28) = +1.35
     loss, stats = policy_loss(torch.log(torch.tensor([[0.7, 1.35]])), torch.zeros(1, 2), torch.tensor([-1.0]),
-                              torch.ones(1, 2, dtype=torch.bool), torch.ones(1), clip_eps=0.2, clip_eps_high=0.28)
+                              torch.ones(1, 2, dtype=torch.bool), torch.ones(1), loss_settings(clip_eps=0.2,
+                                                                                               clip_eps_high=0.28))
     torch.testing.assert_close(loss, torch.tensor(0.8 + 1.35))
     assert float(stats["clipped_tokens"]) == 1.0 and float(stats["clipped_high_tokens"]) == 0.0
 
@@ -100,12 +112,13 @@ def test_entropy_bonus_by_hand():
     entropy = torch.tensor([[0.5, 1.0, 2.0]], requires_grad=True)
     mask = torch.tensor([[True, True, False]])
     logp = torch.zeros(1, 3)
-    loss, _ = policy_loss(logp, logp, torch.zeros(1), mask, torch.tensor([0.5]), clip_eps=0.2,
-                          entropy=entropy, entropy_coef=0.1)
+    loss, _ = policy_loss(logp, logp, torch.zeros(1), mask, torch.tensor([0.5]),
+                          loss_settings(clip_eps=0.2, entropy_coef=0.1), entropy=entropy)
     torch.testing.assert_close(loss, torch.tensor(-0.075))
     loss.backward()
     torch.testing.assert_close(entropy.grad, torch.tensor([[-0.05, -0.05, 0.0]]))
-    off, _ = policy_loss(logp, logp, torch.zeros(1), mask, torch.tensor([0.5]), clip_eps=0.2, entropy=entropy)
+    off, _ = policy_loss(logp, logp, torch.zeros(1), mask, torch.tensor([0.5]), loss_settings(clip_eps=0.2),
+                         entropy=entropy)
     assert float(off) == 0.0  # entropy_coef 0: no bonus
 
 
@@ -156,7 +169,7 @@ def flat_until(uid_above: int):
 
 def expand(reward, resample, problems=PROBLEMS[:1], turns=1):
     env, backend = FakeEnv(2, reward), FakeBackend()
-    settings = TreeSettings(num_generations=2, num_turns=turns, joint_mode="align", resample_zero_std=resample)
+    settings = tree_settings(num_generations=2, num_turns=turns, joint_mode="align", resample_zero_std=resample)
     return expand_trees(problems, env, backend, serial(RecordingFeedback(), env), settings, SAMPLING, seed=1), backend
 
 

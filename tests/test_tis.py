@@ -8,6 +8,7 @@ import torch
 
 from magrpo.loss import policy_loss
 from magrpo.update import TrainSample, importance_weights, sampler_logprobs
+from tests.fakes import loss_settings
 
 # Two rows; row 1 has one completion token (the rest is padding).
 TRAINER = torch.tensor([[math.log(0.5), math.log(0.2)], [math.log(0.9), 0.0]])
@@ -40,5 +41,5 @@ def test_is_weights_scale_the_policy_gradient_term_only():
     logp = torch.zeros(1, 2)
     ref = torch.tensor([[math.log(2), 0.0]])  # k3 = [2 - ln2 - 1, 0]
     loss, _ = policy_loss(logp, logp.clone(), torch.tensor([1.0]), torch.ones(1, 2, dtype=torch.bool), torch.ones(1),
-                          clip_eps=0.2, ref_logp=ref, kl_coef=0.1, is_weights=torch.tensor([[2.0, 0.5]]))
+                          loss_settings(clip_eps=0.2, kl_coef=0.1), ref_logp=ref, is_weights=torch.tensor([[2.0, 0.5]]))
     torch.testing.assert_close(loss, torch.tensor(-2.5 + 0.1 * (1 - math.log(2))))

@@ -9,16 +9,29 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from magrpo.rollout import TreeSettings, assign_advantages, expand_trees
+from magrpo.advantage import assign_advantages
+from magrpo.rollout import expand_trees
 from magrpo.tree import count_leaves, tree_size
-from tests.fakes import PROBLEMS, SAMPLING, TEXT, B, FakeBackend, FakeEnv, RecordingFeedback, serial, sum_of_indices
+from tests.fakes import (
+    PROBLEMS,
+    SAMPLING,
+    TEXT,
+    B,
+    FakeBackend,
+    FakeEnv,
+    RecordingFeedback,
+    advantage_settings,
+    serial,
+    sum_of_indices,
+    tree_settings,
+)
 
 
 def run(mode, n, t, k, threshold=None, reward=sum_of_indices, problems=PROBLEMS, expand="all", seed=None):
     env, backend, fb = FakeEnv(n, reward), FakeBackend(), RecordingFeedback()
     rollout = expand_trees(problems, env, backend, serial(fb, env),
-                           TreeSettings(num_generations=k, num_turns=t, joint_mode=mode,
-                                        early_termination_threshold=threshold, expand=expand), SAMPLING, seed=seed)
+                           tree_settings(num_generations=k, num_turns=t, joint_mode=mode,
+                                         early_termination_threshold=threshold, expand=expand), SAMPLING, seed=seed)
     return rollout, env, backend, fb
 
 
@@ -226,7 +239,7 @@ def test_feedback_with_wrong_prompt_count_names_the_function(bad):
 
     with pytest.raises(Exception, match="my_bad_feedback"):
         expand_trees(PROBLEMS, FakeEnv(2), FakeBackend(), serial(my_bad_feedback, FakeEnv(2)),
-                     TreeSettings(num_generations=2, num_turns=2, joint_mode="align"), SAMPLING)
+                     tree_settings(num_generations=2, num_turns=2, joint_mode="align"), SAMPLING)
 
 
 # ---------------------------------------------------------------- assign_advantages
@@ -238,7 +251,8 @@ def test_assign_advantages_align_by_hand():
     # per agent, completion j gets G_j; mean baseline: [-1, 1] at the root and at every leaf node
     rollout, *_ = run("align", 2, 2, 2, problems=PROBLEMS[:1])
     nodes = rollout.nodes
-    zero = assign_advantages(nodes, discount=0.5, cross_credit="mean", baseline="mean", scale="none")
+    zero = assign_advantages(nodes, advantage_settings(discount=0.5, cross_credit="mean", baseline="mean",
+                                                       scale="none"))
     root = nodes[0]
     np.testing.assert_allclose(root.returns, [0.5, 2.5])
     for j, ch in enumerate(root.children):
@@ -258,7 +272,7 @@ def test_assign_advantages_cross_by_hand():
     # rloo with K=2: [1.5 - 2.5, 2.5 - 1.5] = [-1, 1]; std = 0.5 -> [-1, 1] / (0.5 + 1e-6)
     rollout, *_ = run("cross", 2, 2, 2, problems=PROBLEMS[:1])
     nodes = rollout.nodes
-    zero = assign_advantages(nodes, discount=1.0, cross_credit="mean", baseline="rloo", scale="std")
+    zero = assign_advantages(nodes, advantage_settings(discount=1.0, cross_credit="mean", baseline="rloo", scale="std"))
     np.testing.assert_allclose(nodes[0].returns, [1, 2, 2, 3])
     np.testing.assert_allclose(nodes[0].advantages, np.array([[-1, 1], [-1, 1]]) / (0.5 + 1e-6))
     assert len(nodes) == 5 and all(node.advantages.shape == (2, 2) for node in nodes)
@@ -268,7 +282,8 @@ def test_assign_advantages_cross_by_hand():
 def test_assign_advantages_flags_zero_variance_groups():
     # constant reward: every group is flat -> advantage exactly 0, every group flagged
     rollout, *_ = run("cross", 3, 2, 2, reward=lambda problem, texts: 1.0)
-    zero = assign_advantages(rollout.nodes, discount=1.0, cross_credit="sum", baseline="none", scale="none")
+    zero = assign_advantages(rollout.nodes, advantage_settings(discount=1.0, cross_credit="sum", baseline="none",
+                                                               scale="none"))
     assert zero.shape == (len(rollout.nodes), 3) and zero.all()
     for node in rollout.nodes:
         assert node.advantages.shape == (3, 2) and np.all(node.advantages == 0.0)
@@ -298,7 +313,8 @@ def test_top_expands_the_highest_rewards_and_leaves_are_their_own_return():
     for node in [n for n in rollout.nodes if n.turn == 0]:
         # sums [0, 1, 1, 2] (+ offset): only the joint action (1, 1) expands; ties would go to the lower index
         assert [c is not None for c in node.children] == [False, False, False, True]
-    assign_advantages(rollout.nodes, 1.0, "mean", "mean", "none")
+    assign_advantages(rollout.nodes, advantage_settings(discount=1.0, cross_credit="mean", baseline="mean",
+                                                        scale="none"))
     root = rollout.nodes[0]
     np.testing.assert_allclose(root.returns[:3], root.rewards[:3])  # leaves: G = r
     assert root.returns[3] == root.rewards[3] + rollout.nodes[root.children[3]].returns.mean()

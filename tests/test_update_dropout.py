@@ -4,7 +4,8 @@ from __future__ import annotations
 import torch
 
 from magrpo.models import load_agents
-from magrpo.update import AgentUpdater, TrainSample, UpdateSettings
+from magrpo.update import AgentUpdater, TrainSample
+from tests.fakes import update_settings
 
 
 def test_only_lora_dropout_is_active_during_the_update():
@@ -19,6 +20,6 @@ def test_only_lora_dropout_is_active_during_the_update():
             module.register_forward_pre_hook(lambda m, args: seen["lora"].append(m.training))
     samples = [TrainSample([5, 6, 7], [8, 9], 1.0), TrainSample([5, 6, 7], [10, 11, 12], -1.0)]
     torch.manual_seed(0)
-    AgentUpdater(agent, 1e-3, 0.0, 0).step(samples, UpdateSettings(max_new_tokens=4), micro_batch_size=8)
+    AgentUpdater(agent, 1e-3, 0.0, 0).step(samples, update_settings(max_new_tokens=4), micro_batch_size=8)
     assert seen["base"] and not any(seen["base"])
     assert seen["lora"] and all(seen["lora"])

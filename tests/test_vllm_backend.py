@@ -19,9 +19,10 @@ from magrpo.feedback import Feedback
 from magrpo.generation import GenerationRequest, SamplingParams
 from magrpo.hf_backend import HFBackend
 from magrpo.models import load_agents
-from magrpo.rollout import TreeSettings, expand_trees
+from magrpo.rollout import expand_trees
 from magrpo.tiny import TinySpec, tiny_model_path
-from magrpo.update import AgentUpdater, TrainSample, UpdateSettings, forward_logprobs, pack
+from magrpo.update import AgentUpdater, TrainSample, forward_logprobs, pack
+from tests.fakes import tree_settings, update_settings
 
 PROMPTS = ["x", "def add(a, b):\n    return a + b\n", "import os"]  # different lengths: left padding in HF
 
@@ -97,7 +98,8 @@ def test_one_generate_call_per_turn_and_prefix_cache_hits(setup, truncate_env, m
     backend.metrics()  # reset the hit-rate window
     problems = truncate_env.problems("train") * 2
     rollout = expand_trees(problems, truncate_env, backend, Feedback(ExternalConfig(), truncate_env, plain),
-                           TreeSettings(3, 2, mode), SamplingParams(max_new_tokens=6))
+                           tree_settings(num_generations=3, num_turns=2,
+                                         joint_mode=mode), SamplingParams(max_new_tokens=6))
     assert backend.generate_calls - before == 2  # one per turn for all trees, nodes, agents and samples
     assert len(rollout.nodes) == 2 * (1 + (3 if mode == "align" else 9))
     assert backend.metrics()["perf/prefix_cache_hit_rate"] > 0.5
@@ -121,7 +123,7 @@ def optimizer_step(agent, backend, lr=0.05):
     out = backend.generate([GenerationRequest(p, agent.index, 2) for p in PROMPTS], SamplingParams(max_new_tokens=6))
     samples = [TrainSample(c.prompt_ids, c.token_ids, 1.0 if k == 0 else -1.0) for cs in out for k, c in enumerate(cs)]
     AgentUpdater(agent, lr, 0.0, 0).step(
-        samples, UpdateSettings(max_new_tokens=6, max_grad_norm=0.0), micro_batch_size=32
+        samples, update_settings(max_new_tokens=6, max_grad_norm=0.0), micro_batch_size=32
     )
 
 
