@@ -43,8 +43,8 @@ def decode_steps(model, ids: torch.Tensor, steps: int, forward, static: bool) ->
 
 
 def steps(args) -> None:
+    from magrpo.backends.hf import RowAdapters
     from magrpo.cli import compose
-    from magrpo.hf_backend import RowAdapters
     from magrpo.models import load_agents
 
     torch.manual_seed(0)

@@ -53,7 +53,7 @@ class Recorder:
         self.collecting = False  # decodes outside a step's rollout (evaluation) are not the step's
 
     def install(self):
-        from magrpo.hf_backend import HFBackend
+        from magrpo.backends.hf import HFBackend
         from magrpo.update import AgentUpdater
 
         recorder, real_rows, real_step = self, HFBackend._generate_rows, AgentUpdater.step

@@ -16,10 +16,11 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from .advantage import GROUP_BY, agent_credit, all_groups_flat, mix_rewards, own_values, pooled_advantages, tree_returns
+from .backends import GenerationBackend
 from .env import Environment, Scored, call_env
 from .errors import RewardError, describe, qualified_name
 from .feedback import Branch
-from .generation import GenerationBackend, GenerationRequest, SamplingParams
+from .generation import GenerationRequest, SamplingParams
 from .sampling import stream_key
 from .tree import Completion, Node, expanded, joint_actions
 

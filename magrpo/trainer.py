@@ -214,11 +214,10 @@ class Run:
         start, tokens_before = time.perf_counter(), self.backend.generated_tokens
         problems = self.sampler.next(trainer.batch_size)
         lo, hi = world.shard(len(problems))
-        setting = "generation.max_batch_rows" if self.cfg.backend == "hf" else "vllm.gpu_memory_utilization"
         rollout = oom_retry(lambda: expand_trees(problems[lo:hi], self.env, self.backend, self.feedback, self.tree,
                                                  self.sampling, seed=stream_key(trainer.seed, step, TRAIN_STREAM),
                                                  tree_offset=lo),
-                            getattr(self.backend, "halve_batch", None), setting)
+                            self.backend.halve_batch, self.backend.batch_setting)
         return rollout, {"start": start, "tokens": self.backend.generated_tokens - tokens_before, "offset": lo,
                          "backend_metrics": self.backend.metrics()}  # this rollout's numbers, before eval adds its own
 

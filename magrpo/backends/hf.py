@@ -15,13 +15,16 @@ from typing import Iterator, Sequence
 import torch
 import torch.nn.functional as F
 
-from .generation import GenerationRequest, SamplingParams, encode_requests
-from .models import Agent
-from .sampling import sample, sampling_logprobs, stream_key, stream_uniforms
-from .tree import Completion
+from ..generation import GenerationRequest, SamplingParams
+from ..models import Agent
+from ..sampling import sample, sampling_logprobs, stream_key, stream_uniforms
+from ..tree import Completion
+from .base import encode_requests
 
 
 class HFBackend:
+    batch_setting = "generation.max_batch_rows"  # what halve_batch lowers
+
     def __init__(self, agents: Sequence[Agent], max_batch_rows: int = 0):
         self.agents = list(agents)
         self.max_batch_rows = max_batch_rows  # 0 = everything in one call
