@@ -5,10 +5,13 @@ with its own `agents[i].model` gets its own base. Adapters are named `agent_{i}`
 """
 from __future__ import annotations
 
+import inspect
 import os
+import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 
@@ -41,6 +44,24 @@ def resolve_model_path(name: str, key: str = "model.name", tiny_hidden_size: int
 
         return str(tiny_model_path(TinySpec(hidden_size=tiny_hidden_size, num_hidden_layers=tiny_layers)))
     return os.path.expanduser(name)
+
+
+def cache_keyword(model: torch.nn.Module) -> str:
+    """The name of the KV cache in the model's forward (keyword) and its output (field): `cache` in
+    current transformers (5.24 here: `past_key_values` warns there, and goes in 5.40); `past_key_values`
+    in older releases and in remote-code models written for them. `model` may be a peft model."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+
+
+@contextmanager
+def peft_deprecation_silenced() -> Iterator[None]:
+    """peft (0.21) reads transformers' deprecated `is_gradient_checkpointing` itself whenever it wraps a
+    model: a FutureWarning on every run that neither we nor the user can act on. (When transformers v6
+    removes the property, peft's fallback only makes the embeddings' output require grad.)"""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        yield
 
 
 def pick_device(setting: str) -> torch.device:
@@ -171,7 +192,8 @@ def load_agents(cfg: TrainConfig, num_agents: int) -> list[Agent]:
             if tok.pad_token is None:  # completions are cut at EOS from token ids, so pad == eos is safe
                 tok.pad_token = tok.eos_token
             base.to(device)
-            model = get_peft_model(base, lora(), adapter_name=adapter_name(i))
+            with peft_deprecation_silenced():
+                model = get_peft_model(base, lora(), adapter_name=adapter_name(i))
             shared[name] = (model, tok, path)
         else:
             shared[name][0].add_adapter(adapter_name(i), lora())
