@@ -157,7 +157,7 @@ class Run:
         # Before any model loads: a resume that does not match its run stops here (rank 0 decides).
         chosen = checkpoint.on_main(world, lambda: checkpoint.choose(cfg.resume, cfg.logging.run_dir, asdict(cfg)))
         seed_everything(cfg.trainer.seed)  # the same on every rank: identical initial adapters
-        from .models import load_agents
+        from .models import load_agents, model_dtype
 
         trainer, generation = cfg.trainer, cfg.generation
         self.cfg, self.env, self.feedback, self.world = cfg, env, feedback, world
@@ -185,7 +185,8 @@ class Run:
                                        generation.top_k, logprobs=True)
         if world.is_main:
             print(
-                startup_line(cfg, env.num_agents, world.size, step_size(cfg, env.num_agents), self.dir), file=sys.stderr
+                startup_line(cfg, env.num_agents, world.size, step_size(cfg, env.num_agents), self.dir,
+                             model_dtype(cfg.model)), file=sys.stderr
             )
         self.bar = progress_bar(trainer.steps, cfg.logging.progress and world.is_main, initial=self.first_step - 1)
         self.stop = StopSignals()

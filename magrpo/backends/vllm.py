@@ -34,7 +34,7 @@ from ..errors import ConfigError, SyncError
 from ..generation import GenerationRequest, SamplingParams
 from ..loss import token_logprobs
 from ..metrics import Gauge
-from ..models import Agent
+from ..models import Agent, model_dtype
 from ..tree import Completion
 from .base import encode_requests
 
@@ -137,7 +137,7 @@ class VLLMBackend:
         self.by_path: dict[str, list[Agent]] = defaultdict(list)
         for agent in self.agents:
             self.by_path[agent.model_path].append(agent)
-        dtype = cfg.model.dtype if self.cfg.dtype == "auto" else self.cfg.dtype
+        dtype = model_dtype(cfg.model)[0] if self.cfg.dtype == "auto" else self.cfg.dtype  # auto: the trainer's
         rank = lora_rank_for(cfg.lora.r, typing.get_args(MaxLoRARanks))
         device = next(self.agents[0].model.parameters()).device
         # The engine core (and its worker) are spawned here and read their environment when they start.
