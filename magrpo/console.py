@@ -8,14 +8,17 @@ import threading
 import time
 
 
-def startup_line(cfg, num_agents: int, processes: int, step_size: tuple[int, int], run_dir) -> str:
-    """What the run will do, before the first step: the tree's shape and its size per step."""
+def startup_line(cfg, num_agents: int, processes: int, step_size: tuple[int, int], run_dir,
+                 dtype: tuple[str, str]) -> str:
+    """What the run will do, before the first step: the tree's shape and its size per step, and the
+    weights dtype with why (`dtype`: models.model_dtype's (name, reason))."""
     trainer = cfg.trainer
     procs = f", {processes} processes" if processes > 1 else ""
     nodes, completions = step_size
+    name, why = dtype
     return (
         f"magrpo: {num_agents} agent(s), K={trainer.num_generations}, T={trainer.num_turns}, "
-        f"{trainer.joint_mode}{procs}; "
+        f"{trainer.joint_mode}{procs}; dtype {name} ({why}); "
         f"up to {nodes:,} nodes and {completions:,} completions per step; run dir {run_dir}"
     )
 

@@ -15,10 +15,11 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
+from .backends import GenerationBackend
 from .distributed import World
 from .env import Environment
 from .feedback import Branch
-from .generation import GenerationBackend, SamplingParams
+from .generation import SamplingParams
 from .rollout import TreeSettings, expand_trees
 
 

@@ -28,20 +28,20 @@ class Halvable:
         return self.value
 
 
-def oom_retry(run: Callable[[], T], shrink: Callable[[], int] | None, setting: str) -> T:
+def oom_retry(run: Callable[[], T], shrink: Callable[[], int | None], setting: str) -> T:
     """run(); on out-of-memory, shrink() (halves `setting`, returns the new size) and run once more.
-    A second out-of-memory (or a first one with nothing to shrink) stops training with a line naming
-    the setting; the last checkpoint stays."""
+    A second out-of-memory (or a first one where shrink() returns None: nothing to shrink) stops
+    training with a line naming the setting; the last checkpoint stays."""
     try:
         return run()
     except RuntimeError as e:
         if not is_out_of_memory(e):
             raise
-        if shrink is None:
-            raise TrainingError(f"out of memory; lower {setting}; the last checkpoint is intact") from None
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     size = shrink()
+    if size is None:
+        raise TrainingError(f"out of memory; lower {setting}; the last checkpoint is intact")
     from tqdm import (
         tqdm,  # a warning even in quiet mode; tqdm.write keeps a progress bar intact
     )

@@ -18,10 +18,11 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import numpy as np
 
 from .advantage import all_groups_flat, own_values
+from .backends import GenerationBackend
 from .env import Environment, Scored, call_env
 from .errors import RewardError, describe, qualified_name
 from .feedback import Branch
-from .generation import GenerationBackend, GenerationRequest, SamplingParams
+from .generation import GenerationRequest, SamplingParams
 from .sampling import stream_key
 from .tree import Completion, Node, expanded, joint_actions
 

@@ -150,7 +150,7 @@ class Run:
         # Before any model loads: a resume that does not match its run stops here (rank 0 decides).
         chosen = checkpoint.on_main(world, lambda: checkpoint.choose(cfg.resume, cfg.logging.run_dir, asdict(cfg)))
         seed_everything(cfg.trainer.seed)  # the same on every rank: identical initial adapters
-        from .models import load_agents
+        from .models import load_agents, model_dtype
 
         trainer, generation = cfg.trainer, cfg.generation
         self.cfg, self.env, self.feedback, self.world = cfg, env, feedback, world
@@ -179,7 +179,8 @@ class Run:
                                        generation.top_k, logprobs=True)
         if world.is_main:
             print(
-                startup_line(cfg, env.num_agents, world.size, step_size(cfg, env.num_agents), self.dir), file=sys.stderr
+                startup_line(cfg, env.num_agents, world.size, step_size(cfg, env.num_agents), self.dir,
+                             model_dtype(cfg.model)), file=sys.stderr
             )
         self.bar = progress_bar(trainer.steps, cfg.logging.progress and world.is_main, initial=self.first_step - 1)
         self.stop = StopSignals()
@@ -208,11 +209,10 @@ class Run:
         start, tokens_before = time.perf_counter(), self.backend.generated_tokens
         problems = self.sampler.next(trainer.batch_size)
         lo, hi = world.shard(len(problems))
-        setting = "generation.max_batch_rows" if self.cfg.backend == "hf" else "vllm.gpu_memory_utilization"
         rollout = oom_retry(lambda: expand_trees(problems[lo:hi], self.env, self.backend, self.feedback, self.tree,
                                                  self.sampling, seed=stream_key(trainer.seed, step, TRAIN_STREAM),
                                                  tree_offset=lo),
-                            getattr(self.backend, "halve_batch", None), setting)
+                            self.backend.halve_batch, self.backend.batch_setting)
         return rollout, {"start": start, "tokens": self.backend.generated_tokens - tokens_before, "offset": lo,
                          "backend_metrics": self.backend.metrics()}  # this rollout's numbers, before eval adds its own
 

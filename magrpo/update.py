@@ -8,7 +8,7 @@ import torch
 
 from .distributed import World
 from .loss import LossSettings, gather_logprobs, policy_loss, sequence_weights, token_entropy
-from .models import Agent
+from .models import Agent, cache_keyword
 
 
 @dataclass
@@ -89,10 +89,11 @@ def forward_logprobs(model: torch.nn.Module, batch: PackedBatch, temperature: fl
                 position_ids=(batch.prompt_mask.cumsum(-1) - 1).clamp(min=0), use_cache=True, logits_to_keep=1)
     logits = out.logits[batch.expand]  # (R, 1, V): predicts completion token 0
     if batch.inputs.shape[1] > 0:
-        cache = out.past_key_values
+        cache_key = cache_keyword(model)
+        cache = out[cache_key]
         cache.batch_select_indices(batch.expand)  # differentiable gather: rows share their prompt's KV
         rest = model(input_ids=batch.inputs, attention_mask=batch.attention, position_ids=batch.positions,
-                     past_key_values=cache, use_cache=True).logits
+                     use_cache=True, **{cache_key: cache}).logits
         logits = torch.cat([logits, rest], dim=1)
     if temperature != 1.0:
         logits = logits.float() / temperature

@@ -106,7 +106,7 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError("lora.target_modules", "must name at least one module (or [all-linear])")
     if not 0 <= cfg.lora.dropout < 1:
         raise ConfigError("lora.dropout", f"must be in [0, 1), got {cfg.lora.dropout}")
-    choice("model.dtype", cfg.model.dtype, ["bfloat16", "float16", "float32"])
+    choice("model.dtype", cfg.model.dtype, ["auto", "bfloat16", "float16", "float32"])
     choice("model.chat_template", cfg.model.chat_template, ["auto", "never"])
     _check_device(cfg.model.device)
     at_least("model.tiny_layers", cfg.model.tiny_layers, 1)

@@ -1,4 +1,4 @@
-"""The environment a vLLM engine starts with under torchrun (magrpo.vllm_backend.engine_env): pure
+"""The environment a vLLM engine starts with under torchrun (magrpo.backends.vllm.engine_env): pure
 functions, no vllm needed."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from magrpo.vllm_backend import engine_env, patched_environ
+from magrpo.backends.vllm import engine_env, patched_environ
 
 TORCHRUN = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "x", "GROUP_RANK": "0", "OMP_NUM_THREADS": "1", "HOME": "/h"}

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from magrpo.backends.hf import HFBackend
 from magrpo.config import ExternalConfig
 from magrpo.envs.length_ratio import LengthRatioEnv
 from magrpo.external.plain import plain
 from magrpo.feedback import Feedback
 from magrpo.generation import GenerationRequest, SamplingParams
-from magrpo.hf_backend import HFBackend
 from magrpo.models import load_agents
 from magrpo.rollout import expand_trees
 from magrpo.sampling import stream_key
@@ -158,7 +158,7 @@ def test_training_scores_tokens_under_the_sampling_temperature(make_cfg):
 def test_row_adapters_compute_what_peft_mixed_batching_does(agents, grouped):
     """Rows grouped by agent (what the backend decodes): bit for bit; interleaved: to rounding (peft
     gathers an agent's rows into one matrix, RowAdapters multiplies each run of rows on its own)."""
-    from magrpo.hf_backend import RowAdapters
+    from magrpo.backends.hf import RowAdapters
 
     model = agents[0].model.eval()
     rows = ["agent_0"] * 3 + ["agent_1"] * 2 if grouped else ["agent_1", "agent_0", "agent_1", "agent_0"]
@@ -182,7 +182,7 @@ def test_row_adapters_compute_what_peft_mixed_batching_does(agents, grouped):
 def test_dropping_finished_rows_keeps_every_rows_stream(agents, logprobs):
     """Every row keeps its stream: tokens equal up to near ties, log-probs to float rounding (a smaller
     batch's matrix products may round otherwise: ~2e-6 here; tests/near_ties.py)."""
-    from magrpo.hf_backend import decode
+    from magrpo.backends.hf import decode
 
     model = agents[0].model
     prompts = [agents[0].encode_prompts(["def f(x):"])[0], agents[1].encode_prompts(["import os\n"])[0]]

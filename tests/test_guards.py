@@ -112,7 +112,7 @@ def test_update_out_of_memory_twice_names_the_setting(make_cfg, monkeypatch):
 
 
 def test_generation_out_of_memory_halves_the_decode_batch(make_cfg, monkeypatch, capsys):
-    from magrpo.hf_backend import HFBackend
+    from magrpo.backends.hf import HFBackend
 
     real = HFBackend._generate_rows
     monkeypatch.setattr(HFBackend, "_generate_rows",

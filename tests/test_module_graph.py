@@ -8,17 +8,52 @@ import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "magrpo"
-MODULES = sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__")
+
+
+def module_name(path: Path) -> str:
+    """magrpo/backends/hf.py -> "backends.hf"; a subpackage's __init__.py -> its name ("backends")."""
+    parts = path.relative_to(PACKAGE).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = sorted(name for name in map(module_name, PACKAGE.rglob("*.py")) if name)  # "" is magrpo itself
 
 
 def _is_type_checking(node: ast.If) -> bool:
     return isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
 
 
+def source_of(module: str) -> Path:
+    path = PACKAGE.joinpath(*module.split("."))
+    return path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+
+
+def known_module(dotted: str) -> str | None:
+    """The magrpo module a dotted name (relative to magrpo) lands in: "backends.hf.HFBackend" ->
+    "backends.hf"; None outside magrpo's modules."""
+    parts = dotted.split(".")
+    for end in range(len(parts), 0, -1):
+        if ".".join(parts[:end]) in MODULES:
+            return ".".join(parts[:end])
+    return None
+
+
 def imports_of(module: str) -> set[str]:
     """The magrpo modules `module` imports anywhere (lazy imports included; `if TYPE_CHECKING:` blocks,
-    which never run, excluded)."""
+    which never run, excluded). A submodule's own package __init__, which Python runs first, is not
+    counted: a package that imports its submodules only on use (backends) is no cycle."""
+    package = module.split(".") if source_of(module).name == "__init__.py" else module.split(".")[:-1]
     found: set[str] = set()
+
+    def resolve(node: ast.ImportFrom) -> list[str]:
+        """The dotted names (relative to magrpo) an import may load: the module and each name from it."""
+        if node.level:  # relative to this module's package (level 1) or a parent of it
+            stem = [*package[: len(package) - node.level + 1], *([node.module] if node.module else [])]
+        elif node.module == "magrpo" or (node.module or "").startswith("magrpo."):
+            stem = node.module.split(".")[1:]
+        else:
+            return []
+        return [".".join([*stem, alias.name]) for alias in node.names] + [".".join(stem)]
 
     def visit(node: ast.AST) -> None:
         if isinstance(node, ast.If) and _is_type_checking(node):
@@ -26,21 +61,15 @@ def imports_of(module: str) -> set[str]:
                 visit(child)
             return
         if isinstance(node, ast.ImportFrom):
-            if node.level == 1 and node.module:
-                found.add(node.module.split(".")[0])
-            elif node.level == 1:
-                found.update(alias.name for alias in node.names)
-            elif node.module and node.module.startswith("magrpo."):
-                found.add(node.module.split(".")[1])
-            elif node.module == "magrpo":
-                found.update(alias.name for alias in node.names)
+            found.update(filter(None, map(known_module, resolve(node))))
         elif isinstance(node, ast.Import):
-            found.update(a.name.split(".")[1] for a in node.names if a.name.startswith("magrpo."))
+            found.update(filter(None, (known_module(a.name.removeprefix("magrpo."))
+                                       for a in node.names if a.name.startswith("magrpo."))))
         for child in ast.iter_child_nodes(node):
             visit(child)
 
-    visit(ast.parse((PACKAGE / f"{module}.py").read_text()))
-    return (found & set(MODULES)) - {module}
+    visit(ast.parse(source_of(module).read_text()))
+    return found - {module}
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -92,3 +121,10 @@ def test_each_module_imports_alone():
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=PACKAGE.parent, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_imports_in_a_subpackage_resolve_to_modules():
+    """`from ..models import Agent` in backends/hf.py is magrpo.models, `from .base import x` is
+    magrpo.backends.base: a cycle through a subpackage is seen like any other."""
+    assert {"backends.base", "generation", "models", "sampling"} <= imports_of("backends.hf")
+    assert {"backends.hf", "backends.vllm"} <= imports_of("backends")

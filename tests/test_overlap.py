@@ -7,13 +7,13 @@ import threading
 import pytest
 import torch
 
+from magrpo.backends.hf import HFBackend
 from magrpo.config import ExternalConfig
 from magrpo.envs.length_ratio import LengthRatioEnv
 from magrpo.errors import RewardError
 from magrpo.external.plain import plain
 from magrpo.feedback import Feedback
 from magrpo.generation import SamplingParams
-from magrpo.hf_backend import HFBackend
 from magrpo.models import load_agents
 from magrpo.rollout import expand_trees
 from tests.fakes import (

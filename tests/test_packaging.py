@@ -16,7 +16,7 @@ from tests.conftest import ROOT
 
 PROBE = """
 import sys
-import magrpo.envs.code.env, magrpo.external.plain
+import magrpo.envs.code.env, magrpo.external.plain, magrpo.backends.hf
 from magrpo.cli import CONFIG_DIR
 from magrpo.env import ENVS
 from magrpo.feedback import FEEDBACK

@@ -7,6 +7,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 from magrpo.loss import gather_logprobs
+from magrpo.models import peft_deprecation_silenced
 from magrpo.update import TrainSample, forward_logprobs, micro_batches, pack
 from tests.fakes import tiny_qwen2
 
@@ -23,7 +24,8 @@ SAMPLES = [
 @pytest.fixture(scope="module")
 def model():
     lora = LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False)
-    m = get_peft_model(tiny_qwen2(vocab_size=32, num_hidden_layers=2), lora)
+    with peft_deprecation_silenced():  # as load_agents wraps its models
+        m = get_peft_model(tiny_qwen2(vocab_size=32, num_hidden_layers=2), lora)
     m.train()
     return m
 

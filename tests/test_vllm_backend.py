@@ -12,12 +12,12 @@ pytest.importorskip("vllm", reason="vllm not installed: bash scripts/setup_vllm.
 import torch
 
 from magrpo.backends import make_backend
+from magrpo.backends.hf import HFBackend
 from magrpo.config import ExternalConfig
 from magrpo.errors import SyncError
 from magrpo.external.plain import plain
 from magrpo.feedback import Feedback
 from magrpo.generation import GenerationRequest, SamplingParams
-from magrpo.hf_backend import HFBackend
 from magrpo.models import load_agents
 from magrpo.rollout import expand_trees
 from magrpo.tiny import TinySpec, tiny_model_path

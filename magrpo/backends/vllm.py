@@ -30,15 +30,16 @@ from typing import TYPE_CHECKING, Iterator, Mapping, Sequence
 
 import torch
 
-from .errors import ConfigError, SyncError
-from .generation import GenerationRequest, SamplingParams, encode_requests
-from .loss import token_logprobs
-from .metrics import Gauge
-from .models import Agent
-from .tree import Completion
+from ..errors import ConfigError, SyncError
+from ..generation import GenerationRequest, SamplingParams
+from ..loss import token_logprobs
+from ..metrics import Gauge
+from ..models import Agent, model_dtype
+from ..tree import Completion
+from .base import encode_requests
 
 if TYPE_CHECKING:
-    from .config import TrainConfig
+    from ..config import TrainConfig
 
 # A fixed sequence whose log-probs the trainer and the engine must agree on after every sync.
 PROBE_TEXT = (
@@ -116,6 +117,10 @@ def usable_cpus() -> list[int]:
 
 
 class VLLMBackend:
+    # An engine sizes its KV cache (and so its largest batch) once, when it starts: an out-of-memory
+    # while generating is fixed by giving the engine less of the GPU, in a new run.
+    batch_setting = "vllm.gpu_memory_utilization"
+
     def __init__(self, agents: Sequence[Agent], cfg: TrainConfig):
         import vllm
         from vllm.config.lora import MaxLoRARanks
@@ -132,7 +137,7 @@ class VLLMBackend:
         self.by_path: dict[str, list[Agent]] = defaultdict(list)
         for agent in self.agents:
             self.by_path[agent.model_path].append(agent)
-        dtype = cfg.model.dtype if self.cfg.dtype == "auto" else self.cfg.dtype
+        dtype = model_dtype(cfg.model)[0] if self.cfg.dtype == "auto" else self.cfg.dtype  # auto: the trainer's
         rank = lora_rank_for(cfg.lora.r, typing.get_args(MaxLoRARanks))
         device = next(self.agents[0].model.parameters()).device
         # The engine core (and its worker) are spawned here and read their environment when they start.
@@ -269,6 +274,10 @@ class VLLMBackend:
         return token_logprobs(logits, batch)[:, 1:].cpu()
 
     # ---- memory and metrics -----------------------------------------------------------------
+    def halve_batch(self) -> None:
+        """Nothing to shrink in a running engine (see batch_setting): the run stops and names it."""
+        return None
+
     def sleep(self) -> None:
         """GPU with vllm.sleep_mode: offload the weights and free the KV cache during the update."""
         if self.cfg.sleep_mode and not self.sleeping:

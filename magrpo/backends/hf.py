@@ -15,13 +15,16 @@ from typing import Iterator, Sequence
 import torch
 import torch.nn.functional as F
 
-from .generation import GenerationRequest, SamplingParams, encode_requests
-from .models import Agent
-from .sampling import sample, sampling_logprobs, stream_key, stream_uniforms
-from .tree import Completion
+from ..generation import GenerationRequest, SamplingParams
+from ..models import Agent, cache_keyword
+from ..sampling import sample, sampling_logprobs, stream_key, stream_uniforms
+from ..tree import Completion
+from .base import encode_requests
 
 
 class HFBackend:
+    batch_setting = "generation.max_batch_rows"  # what halve_batch lowers
+
     def __init__(self, agents: Sequence[Agent], max_batch_rows: int = 0):
         self.agents = list(agents)
         self.max_batch_rows = max_batch_rows  # 0 = everything in one call
@@ -161,10 +164,11 @@ def decode(
     # Every row's uniform for every step at once (row r, step t: draw t of stream stream_keys[r]).
     uniforms = None if params.greedy else stream_uniforms(stream_keys, torch.arange(steps, device=device))
     finished = torch.zeros(len(expand), dtype=torch.bool, device=device)  # per batch row
+    cache_key = cache_keyword(model)
     with (routing or RowAdapters(model)).active() as routing:
         out = model(input_ids=ids, attention_mask=attention, position_ids=(attention.cumsum(-1) - 1).clamp(min=0),
                     use_cache=True, logits_to_keep=1, **routing.rows(adapters))
-        cache = out.past_key_values
+        cache = out[cache_key]
         cache.batch_select_indices(expand)
         logits = out.logits[expand, -1]
         attention = attention[expand]
@@ -190,8 +194,8 @@ def decode(
                 route = routing.rows([row_adapters[i] for i in alive.tolist()])
             attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=-1)
             out = model(input_ids=nxt[:, None], attention_mask=attention, position_ids=positions[:, None],
-                        past_key_values=cache, use_cache=True, **route)
-            cache, logits, positions = out.past_key_values, out.logits[:, -1], positions + 1
+                        use_cache=True, **{cache_key: cache}, **route)
+            cache, logits, positions = out[cache_key], out.logits[:, -1], positions + 1
     return new.cpu(), (new_logprobs.cpu() if new_logprobs is not None else None)
 
 

@@ -1,16 +1,20 @@
-"""Generation backends by name (`backend=hf|vllm`): each factory imports its module on use, so
-vllm stays optional and no backend module is imported before it is picked."""
+"""Generation backends by name (`backend=hf|vllm`) and the interface they share (`base`).
+
+Each factory imports its backend module on use, so vllm stays optional and no backend module is
+imported before it is picked. A new backend: a module here implementing `GenerationBackend`, and a
+factory registered below (CONTRIBUTING.md, "Adding a generation backend")."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable
 
-from .generation import GenerationBackend
-from .registry import Registry
+from ..registry import Registry
+from .base import GenerationBackend
 
 if TYPE_CHECKING:
-    from .config import TrainConfig
-    from .models import Agent
+    from ..config import TrainConfig
+    from ..models import Agent
 
+__all__ = ["BACKENDS", "GenerationBackend", "make_backend"]
 
 # name -> factory(cfg, agents). Factories import their backend module on use: vllm is optional.
 BACKENDS: Registry[Callable[["TrainConfig", "list[Agent]"], GenerationBackend]] = Registry("backend")
@@ -18,14 +22,14 @@ BACKENDS: Registry[Callable[["TrainConfig", "list[Agent]"], GenerationBackend]] 
 
 @BACKENDS.register("hf")
 def _hf(cfg: "TrainConfig", agents: "list[Agent]") -> GenerationBackend:
-    from .hf_backend import HFBackend
+    from .hf import HFBackend
 
     return HFBackend(agents, cfg.generation.max_batch_rows)
 
 
 @BACKENDS.register("vllm")
 def _vllm(cfg: "TrainConfig", agents: "list[Agent]") -> GenerationBackend:
-    from .vllm_backend import VLLMBackend
+    from .vllm import VLLMBackend
 
     return VLLMBackend(agents, cfg)
 
