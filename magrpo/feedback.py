@@ -57,10 +57,11 @@ class FeedbackMode:
         return {}
 
 
-FEEDBACK: Registry[FeedbackFn | type[FeedbackMode]] = Registry("feedback mode")
+FeedbackTarget = FeedbackFn | type[FeedbackMode]  # what a mode name resolves to
+FEEDBACK: Registry[FeedbackTarget] = Registry("feedback mode")
 
 
-def resolve_feedback(mode: str) -> FeedbackFn | type[FeedbackMode]:
+def resolve_feedback(mode: str) -> FeedbackTarget:
     """A registered name, or `package.module:name` for a user's own function (a module attribute, or
     a name the module registers with `@FEEDBACK.register` when imported)."""
     if ":" not in mode:
@@ -141,7 +142,7 @@ def options_of(external_cfg: Any) -> dict[str, Any]:
 class Feedback:
     """The configured mode, applied to every expanding branch of a turn in one call."""
 
-    def __init__(self, external_cfg: Any, env: Any, target: FeedbackFn | type[FeedbackMode] | None = None):
+    def __init__(self, external_cfg: Any, env: Any, target: FeedbackTarget | None = None):
         """`target` overrides external_cfg.mode with a function or mode class (tests, notebooks)."""
         self.name = external_cfg.mode if target is None else getattr(target, "__name__", "custom")
         self.max_concurrency = external_cfg.max_concurrency

@@ -22,6 +22,12 @@ class Registry(Generic[T]):
 
         return deco
 
+    def replace(self, name: str, obj: T) -> T:
+        """Register obj under name even when an older definition holds it (the Python API's classes:
+        a notebook cell that defines one runs again)."""
+        self._items[name] = obj
+        return obj
+
     def get(self, name: str) -> T:
         try:
             return self._items[name]

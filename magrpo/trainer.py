@@ -19,7 +19,7 @@ from .distributed import World, world_from_env
 from .env import Environment, call_env, make_env
 from .errors import ConfigError, TrainingError, log_traceback
 from .evaluation import evaluate
-from .feedback import Feedback
+from .feedback import Feedback, FeedbackTarget
 from .generation import SamplingParams
 from .guards import BadSteps, Halvable, oom_retry
 from .loss import kept_completions
@@ -67,11 +67,15 @@ class ProblemSampler:
         return [self.problems[i] for i in picked]
 
 
-def prepare(cfg: TrainConfig) -> tuple[Environment, Feedback]:
+def prepare(
+    cfg: TrainConfig, env: Environment | None = None, feedback: FeedbackTarget | None = None
+) -> tuple[Environment, Feedback]:
     """Everything that can fail on bad input, before any model loads and before the run dir exists
-    (the data, an expert endpoint and its key included)."""
+    (the data, an expert endpoint and its key included). `env`: an env built already (the Python
+    API's env instance) instead of one made from cfg.env; `feedback`: a function or FeedbackMode
+    class instead of cfg.external.mode."""
     validate(cfg)
-    env = make_env(cfg.env)
+    env = env if env is not None else make_env(cfg.env)
     check_finite(env.cfg, "env")
     # Every key the env runs with, its Config's defaults included: config.json, --cfg and resume see them all.
     cfg.env = {"name": cfg.env["name"], **asdict(env.cfg)}
@@ -83,9 +87,9 @@ def prepare(cfg: TrainConfig) -> tuple[Environment, Feedback]:
     if evaluates(cfg):
         _check_split(env, "eval")
     check_tree_size(cfg, env.num_agents)
-    feedback = Feedback(cfg.external, env)
-    feedback.check()
-    return env, feedback
+    checked = Feedback(cfg.external, env, feedback)
+    checked.check()
+    return env, checked
 
 
 def evaluates(cfg: TrainConfig) -> bool:
@@ -112,8 +116,10 @@ def _check_split(env: Environment, split: str) -> None:
 TRAIN_STREAM, EVAL_STREAM = 0, 1
 
 
-def train(cfg: TrainConfig, prepared: tuple[Environment, Feedback] | None = None) -> Path:
-    env, feedback = prepared or prepare(cfg)
+def train(cfg: TrainConfig, env: Environment | None = None, feedback: FeedbackTarget | None = None) -> Path:
+    """Check cfg (prepare) and train; returns the run dir. From Python, use `magrpo.train`: it also
+    composes and type-checks the config the way the command line does."""
+    env, feedback = prepare(cfg, env, feedback)
     world = world_from_env(cfg.model.device, cfg.trainer.dist_timeout_min)
     try:
         return _train(cfg, env, feedback, world)
