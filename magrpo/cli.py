@@ -16,6 +16,7 @@ from typing import Any, Mapping, Sequence
 from . import plugins
 from .config import TrainConfig
 from .errors import ConfigError, MagrpoError
+from .registry import ENV_HINT, FEEDBACK_HINT
 
 # Installed, the YAML files ship inside the package (pyproject.toml); in a checkout they sit at its top.
 _HERE = Path(__file__).resolve().parent
@@ -182,11 +183,16 @@ def _group_overrides(overrides: Sequence[str], config_dir: Path | None, config_n
         group = key.lstrip("+")
         # checked here: an `optional` group (experiment) would silently skip a misspelt option
         if group in groups(config_dir) and value != "null" and value not in group_options(group, config_dir):
-            raise ConfigError(
-                group, f"no option {value!r}; choose one of: {', '.join(group_options(group, config_dir))}"
-            )
+            raise no_option(group, value, config_dir)
         out.append(o[1:] if key.startswith("+") and not key.startswith("++") and group in picked else o)
     return out
+
+
+def no_option(group: str, value: str, config_dir: Path | None) -> ConfigError:
+    """`group=value` names no option: the options, and for env and external how to add one's own."""
+    hint = {"env": ENV_HINT, "external": FEEDBACK_HINT}.get(group)
+    return ConfigError(group, f"no option {value!r}; choose one of: {', '.join(group_options(group, config_dir))}"
+                       + (f"; {hint}" if hint else ""))
 
 
 def primary(config_dir: Path | None, config_name: str) -> Path:
@@ -217,7 +223,7 @@ def select_env(overrides: Sequence[str]) -> list[str]:
         if value not in ENVS:
             raise ConfigError(
                 "env.name",
-                f"{value!r} is not allowed; choose one of: {', '.join(ENVS.names())} (or package.module:Class)",
+                f"{value!r} is not allowed; choose one of: {', '.join(ENVS.names())}; {ENV_HINT}",
             )
         out.append(f"env={value}")  # like every group override: the last one given wins
     return out
@@ -262,9 +268,7 @@ def _from_hydra(e: Exception, env_name, config_dir: Path | None, config_name: st
     text = " ".join(str(e).split())
     missing = re.search(r"Could not find '([^/']+)/([^']+)'", text)
     if missing:
-        group, option = missing.groups()
-        options = group_options(group, config_dir)
-        return ConfigError(group, f"no option {option!r}; choose one of: {', '.join(options)}")
+        return no_option(*missing.groups(), config_dir)
     if re.search(r"Cannot find primary config '([^']+)'", text):
         where = " or ".join(str(d) for d in (config_dir, CONFIG_DIR) if d is not None)
         return ConfigError("--config-name", f"no {config_name}.yaml in {where}")

@@ -344,9 +344,10 @@ def under(key: str, names: Sequence[str]) -> bool:
     return any(key == name or key.startswith(name + ".") for name in names)
 
 
-def choice(key: str, value: str, allowed: list[str]) -> None:
+def choice(key: str, value: str, allowed: list[str], hint: str = "") -> None:
     if value not in allowed:
-        raise ConfigError(key, f"{value!r} is not allowed; choose one of: {', '.join(allowed)}")
+        raise ConfigError(key, f"{value!r} is not allowed; choose one of: {', '.join(allowed)}"
+                          + (f"; {hint}" if hint else ""))
 
 
 def at_least(key: str, value: float, low: float, why: str = "") -> None:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Mapping, Sequence
 
 from .errors import ConfigError, EnvError, describe, qualified_name, user_code
-from .registry import Registry
+from .registry import ENV_HINT, Registry
 
 
 @dataclass
@@ -97,7 +97,7 @@ def make_env(env_cfg: Mapping[str, Any]) -> Environment:
     values = dict(env_cfg)
     name = values.pop("name", None)
     if name not in ENVS:
-        raise ConfigError("env.name", f"{name!r} is not allowed; choose one of: {', '.join(ENVS.names())}")
+        raise ConfigError("env.name", f"{name!r} is not allowed; choose one of: {', '.join(ENVS.names())}; {ENV_HINT}")
     cls = ENVS.get(name)
     own = [f.name for f in dataclasses.fields(cls.Config)]
     stray = [k for k in values if k not in own and any(k in _keys(ENVS.get(n)) for n in ENVS.names())]

@@ -20,7 +20,7 @@ from typing import Any, Callable, Sequence
 
 from .errors import ConfigError, FeedbackError, describe, qualified_name, user_code
 from .plugins import import_module
-from .registry import Registry
+from .registry import FEEDBACK_HINT, Registry
 
 FeedbackFn = Callable[..., Sequence[str]]
 
@@ -68,7 +68,7 @@ def resolve_feedback(mode: str) -> FeedbackTarget:
         if mode not in FEEDBACK:
             raise ConfigError(
                 "external.mode",
-                f"{mode!r} is not allowed; choose one of: {', '.join(FEEDBACK.names())} (or package.module:function)",
+                f"{mode!r} is not allowed; choose one of: {', '.join(FEEDBACK.names())}; {FEEDBACK_HINT}",
             )
         return FEEDBACK.get(mode)
     module_name, _, attr = mode.partition(":")
