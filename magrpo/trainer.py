@@ -285,7 +285,9 @@ class Run:
                 for key in (f"eval/turn_{last}/greedy_reward_mean", f"eval/turn_{last}/pass@1_greedy")
                 if key in out
             )
-            bar.write(f"magrpo: eval turn {last + 1}: {summary} ({out['perf/eval_s']:.0f} s)", file=sys.stderr)
+            # turn_{last}, as in the metric keys (and t0, t1 in the step line): turns count from 0 everywhere
+            bar.write(f"magrpo: eval turn_{last} (last turn): {summary} ({out['perf/eval_s']:.0f} s)",
+                      file=sys.stderr)
         return out
 
     def own_metrics(self, *parts: dict[str, float]) -> dict[str, float]:
