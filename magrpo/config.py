@@ -264,8 +264,9 @@ class ExpertConfig:
 
 @dataclass
 class ExternalConfig:
-    mode: str = "plain"
-    """Feedback between turns: plain | level_feedback | level_passed | passed | expert_edits | a registered name |
+    mode: str = "auto"
+    """Feedback between turns: auto (the env's `default_feedback`: plain for code, length_ratio for length_ratio;
+    plain when it names none) | plain | level_feedback | level_passed | passed | expert_edits | a registered name |
     `package.module:function`."""
     original_prompt: bool = True
     """Start every next-turn prompt with the agent's first prompt (problem + role); false: a one-line role reminder."""

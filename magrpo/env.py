@@ -31,7 +31,7 @@ class Environment:
     """
 
     Config: ClassVar[type]
-    default_feedback: ClassVar[str | None] = None  # feedback mode that suits this env best (documentation)
+    default_feedback: ClassVar[str | None] = None  # the mode external.mode=auto (the default) picks; None: plain
     context_keys: ClassVar[frozenset[str]] = frozenset()  # keys score() puts in every feedback context
     split_keys: ClassVar[dict[str, str]] = {}  # "train"/"eval" -> the env.* key that picks it (named in errors)
 

@@ -61,6 +61,14 @@ FeedbackTarget = FeedbackFn | type[FeedbackMode]  # what a mode name resolves to
 FEEDBACK: Registry[FeedbackTarget] = Registry("feedback mode")
 
 
+AUTO = "auto"  # external.mode's default: the env's own choice
+
+
+def mode_for(mode: str, env: Any) -> str:
+    """external.mode=auto: the mode the env names in `default_feedback`, else plain."""
+    return (getattr(env, "default_feedback", None) or "plain") if mode == AUTO else mode
+
+
 def resolve_feedback(mode: str) -> FeedbackTarget:
     """A registered name, or `package.module:name` for a user's own function (a module attribute, or
     a name the module registers with `@FEEDBACK.register` when imported)."""
@@ -144,7 +152,7 @@ class Feedback:
 
     def __init__(self, external_cfg: Any, env: Any, target: FeedbackTarget | None = None):
         """`target` overrides external_cfg.mode with a function or mode class (tests, notebooks)."""
-        self.name = external_cfg.mode if target is None else getattr(target, "__name__", "custom")
+        self.name = mode_for(external_cfg.mode, env) if target is None else getattr(target, "__name__", "custom")
         self.max_concurrency = external_cfg.max_concurrency
         self.options = options_of(external_cfg)
         target = target or resolve_feedback(self.name)

@@ -19,7 +19,7 @@ from .distributed import World, world_from_env
 from .env import Environment, call_env, make_env
 from .errors import ConfigError, TrainingError, log_traceback
 from .evaluation import evaluate
-from .feedback import Feedback, FeedbackTarget
+from .feedback import Feedback, FeedbackTarget, mode_for
 from .generation import SamplingParams
 from .guards import BadSteps, Halvable, oom_retry
 from .loss import kept_completions
@@ -87,6 +87,7 @@ def prepare(
     if evaluates(cfg):
         _check_split(env, "eval")
     check_tree_size(cfg, env.num_agents)
+    cfg.external.mode = mode_for(cfg.external.mode, env)  # config.json records the mode that ran, not `auto`
     checked = Feedback(cfg.external, env, feedback)
     checked.check()
     return env, checked
