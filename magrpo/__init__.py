@@ -26,3 +26,12 @@ def _import_checkout_subpackages() -> None:
 
 
 _import_checkout_subpackages()
+
+
+def __getattr__(name: str):
+    """`magrpo.train`, imported on first use: `import magrpo` stays cheap (no torch, no Hydra)."""
+    if name == "train":
+        from .api import train
+
+        return train
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

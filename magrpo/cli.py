@@ -11,11 +11,12 @@ import re
 import sys
 import warnings
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 from . import plugins
 from .config import TrainConfig
 from .errors import ConfigError, MagrpoError
+from .registry import ENV_HINT, FEEDBACK_HINT
 
 # Installed, the YAML files ship inside the package (pyproject.toml); in a checkout they sit at its top.
 _HERE = Path(__file__).resolve().parent
@@ -115,10 +116,12 @@ def compose(overrides: Sequence[str], config_dir: Path | None = None, config_nam
 
 
 def compose_run(
-    overrides: Sequence[str], config_dir: Path | None = None, config_name: str = "train"
+    overrides: Sequence[str], config_dir: Path | None = None, config_name: str = "train",
+    values: Mapping[str, Any] | None = None,
 ) -> tuple[TrainConfig, dict]:
     """The config, and what composed it (config source, group choices, overrides, plugins) for --cfg hydra.
-    Plugins are imported first so their envs are `env=` options and their registry names valid."""
+    Plugins are imported first so their envs are `env=` options and their registry names valid.
+    `values`: nested keys set after the overrides (the Python API's config), checked like them."""
     import os
 
     from . import envs, external  # noqa: F401  (the built-ins register before any plugin)
@@ -127,7 +130,7 @@ def compose_run(
     plugins.load(modules)
     overrides = select_env(overrides)
     try:
-        cfg, choices = _compose(overrides, config_dir, config_name)
+        cfg, choices = _compose(overrides, config_dir, config_name, values)
     except ConfigError:
         raise
     except Exception as e:  # noqa: BLE001  (hydra's and omegaconf's errors: one line naming the key)
@@ -138,7 +141,9 @@ def compose_run(
     return cfg, hydra
 
 
-def _compose(overrides: Sequence[str], config_dir: Path | None, config_name: str) -> tuple[TrainConfig, dict]:
+def _compose(
+    overrides: Sequence[str], config_dir: Path | None, config_name: str, values: Mapping[str, Any] | None = None
+) -> tuple[TrainConfig, dict]:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
@@ -155,6 +160,8 @@ def _compose(overrides: Sequence[str], config_dir: Path | None, config_name: str
                if not k.startswith("hydra/") and (v is None or v in group_options(k, config_dir))}
     with open_dict(cfg):
         del cfg["hydra"]
+    if values:  # merged in struct mode: an unknown key or a wrong type fails as an override would
+        cfg = OmegaConf.merge(cfg, values)
     if OmegaConf.get_type(cfg) is not TrainConfig:  # a user's YAML without base_train: check it all the same
         cfg = OmegaConf.merge(OmegaConf.structured(TrainConfig), cfg)
     return OmegaConf.to_object(cfg), choices
@@ -176,11 +183,16 @@ def _group_overrides(overrides: Sequence[str], config_dir: Path | None, config_n
         group = key.lstrip("+")
         # checked here: an `optional` group (experiment) would silently skip a misspelt option
         if group in groups(config_dir) and value != "null" and value not in group_options(group, config_dir):
-            raise ConfigError(
-                group, f"no option {value!r}; choose one of: {', '.join(group_options(group, config_dir))}"
-            )
+            raise no_option(group, value, config_dir)
         out.append(o[1:] if key.startswith("+") and not key.startswith("++") and group in picked else o)
     return out
+
+
+def no_option(group: str, value: str, config_dir: Path | None) -> ConfigError:
+    """`group=value` names no option: the options, and for env and external how to add one's own."""
+    hint = {"env": ENV_HINT, "external": FEEDBACK_HINT}.get(group)
+    return ConfigError(group, f"no option {value!r}; choose one of: {', '.join(group_options(group, config_dir))}"
+                       + (f"; {hint}" if hint else ""))
 
 
 def primary(config_dir: Path | None, config_name: str) -> Path:
@@ -203,7 +215,7 @@ def select_env(overrides: Sequence[str]) -> list[str]:
     out = []
     for o in overrides:
         key, _, value = o.partition("=")
-        if key.lstrip("+") in ("env", "env.name") and ":" in value:
+        if key.lstrip("+") in ("env", "env.name") and ":" in value and value not in ENVS:
             value = plugins.env_class(value)
         if key.lstrip("+") != "env.name":
             out.append(f"{key}={value}" if key == "env" else o)
@@ -211,7 +223,7 @@ def select_env(overrides: Sequence[str]) -> list[str]:
         if value not in ENVS:
             raise ConfigError(
                 "env.name",
-                f"{value!r} is not allowed; choose one of: {', '.join(ENVS.names())} (or package.module:Class)",
+                f"{value!r} is not allowed; choose one of: {', '.join(ENVS.names())}; {ENV_HINT}",
             )
         out.append(f"env={value}")  # like every group override: the last one given wins
     return out
@@ -256,9 +268,7 @@ def _from_hydra(e: Exception, env_name, config_dir: Path | None, config_name: st
     text = " ".join(str(e).split())
     missing = re.search(r"Could not find '([^/']+)/([^']+)'", text)
     if missing:
-        group, option = missing.groups()
-        options = group_options(group, config_dir)
-        return ConfigError(group, f"no option {option!r}; choose one of: {', '.join(options)}")
+        return no_option(*missing.groups(), config_dir)
     if re.search(r"Cannot find primary config '([^']+)'", text):
         where = " or ".join(str(d) for d in (config_dir, CONFIG_DIR) if d is not None)
         return ConfigError("--config-name", f"no {config_name}.yaml in {where}")
@@ -330,13 +340,12 @@ def run(args: Args, overrides: Sequence[str] | None = None, run_dir: Path | None
     cfg, hydra = compose_run(args.overrides if overrides is None else overrides, args.config_dir, args.config_name)
     if run_dir is not None:  # set here, not as an override: a folder name may hold `=` and `,`
         cfg.logging.run_dir = str(run_dir)
-    prepared = prepare(cfg)
-    if dry:
+    if dry or args.show:  # train() checks the config itself (prepare) before loading anything
+        prepare(cfg)
+        if args.show:
+            print(show(cfg, hydra, args.show))
         return
-    if args.show:
-        print(show(cfg, hydra, args.show))
-        return
-    train(cfg, prepared)
+    train(cfg)
 
 
 def guarded(fn) -> tuple[int, str]:

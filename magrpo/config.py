@@ -270,8 +270,9 @@ class ExpertConfig:
 
 @dataclass
 class ExternalConfig:
-    mode: str = "plain"
-    """Feedback between turns: plain | level_feedback | level_passed | passed | expert_edits | a registered name |
+    mode: str = "auto"
+    """Feedback between turns: auto (the env's `default_feedback`: plain for code, length_ratio for length_ratio;
+    plain when it names none) | plain | level_feedback | level_passed | passed | expert_edits | a registered name |
     `package.module:function`."""
     original_prompt: bool = True
     """Start every next-turn prompt with the agent's first prompt (problem + role); false: a one-line role reminder."""
@@ -350,9 +351,10 @@ def under(key: str, names: Sequence[str]) -> bool:
     return any(key == name or key.startswith(name + ".") for name in names)
 
 
-def choice(key: str, value: str, allowed: list[str]) -> None:
+def choice(key: str, value: str, allowed: list[str], hint: str = "") -> None:
     if value not in allowed:
-        raise ConfigError(key, f"{value!r} is not allowed; choose one of: {', '.join(allowed)}")
+        raise ConfigError(key, f"{value!r} is not allowed; choose one of: {', '.join(allowed)}"
+                          + (f"; {hint}" if hint else ""))
 
 
 def at_least(key: str, value: float, low: float, why: str = "") -> None:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Mapping, Sequence
 
 from .errors import ConfigError, EnvError, describe, qualified_name, user_code
-from .registry import Registry
+from .registry import ENV_HINT, Registry
 
 
 @dataclass
@@ -31,7 +31,7 @@ class Environment:
     """
 
     Config: ClassVar[type]
-    default_feedback: ClassVar[str | None] = None  # feedback mode that suits this env best (documentation)
+    default_feedback: ClassVar[str | None] = None  # the mode external.mode=auto (the default) picks; None: plain
     context_keys: ClassVar[frozenset[str]] = frozenset()  # keys score() puts in every feedback context
     split_keys: ClassVar[dict[str, str]] = {}  # "train"/"eval" -> the env.* key that picks it (named in errors)
 
@@ -97,7 +97,7 @@ def make_env(env_cfg: Mapping[str, Any]) -> Environment:
     values = dict(env_cfg)
     name = values.pop("name", None)
     if name not in ENVS:
-        raise ConfigError("env.name", f"{name!r} is not allowed; choose one of: {', '.join(ENVS.names())}")
+        raise ConfigError("env.name", f"{name!r} is not allowed; choose one of: {', '.join(ENVS.names())}; {ENV_HINT}")
     cls = ENVS.get(name)
     own = [f.name for f in dataclasses.fields(cls.Config)]
     stray = [k for k in values if k not in own and any(k in _keys(ENVS.get(n)) for n in ENVS.names())]

@@ -20,7 +20,7 @@ from typing import Any, Callable, Sequence
 
 from .errors import ConfigError, FeedbackError, describe, qualified_name, user_code
 from .plugins import import_module
-from .registry import Registry
+from .registry import FEEDBACK_HINT, Registry
 
 FeedbackFn = Callable[..., Sequence[str]]
 
@@ -57,17 +57,26 @@ class FeedbackMode:
         return {}
 
 
-FEEDBACK: Registry[FeedbackFn | type[FeedbackMode]] = Registry("feedback mode")
+FeedbackTarget = FeedbackFn | type[FeedbackMode]  # what a mode name resolves to
+FEEDBACK: Registry[FeedbackTarget] = Registry("feedback mode")
 
 
-def resolve_feedback(mode: str) -> FeedbackFn | type[FeedbackMode]:
+AUTO = "auto"  # external.mode's default: the env's own choice
+
+
+def mode_for(mode: str, env: Any) -> str:
+    """external.mode=auto: the mode the env names in `default_feedback`, else plain."""
+    return (getattr(env, "default_feedback", None) or "plain") if mode == AUTO else mode
+
+
+def resolve_feedback(mode: str) -> FeedbackTarget:
     """A registered name, or `package.module:name` for a user's own function (a module attribute, or
     a name the module registers with `@FEEDBACK.register` when imported)."""
     if ":" not in mode:
         if mode not in FEEDBACK:
             raise ConfigError(
                 "external.mode",
-                f"{mode!r} is not allowed; choose one of: {', '.join(FEEDBACK.names())} (or package.module:function)",
+                f"{mode!r} is not allowed; choose one of: {', '.join(FEEDBACK.names())}; {FEEDBACK_HINT}",
             )
         return FEEDBACK.get(mode)
     module_name, _, attr = mode.partition(":")
@@ -141,9 +150,9 @@ def options_of(external_cfg: Any) -> dict[str, Any]:
 class Feedback:
     """The configured mode, applied to every expanding branch of a turn in one call."""
 
-    def __init__(self, external_cfg: Any, env: Any, target: FeedbackFn | type[FeedbackMode] | None = None):
+    def __init__(self, external_cfg: Any, env: Any, target: FeedbackTarget | None = None):
         """`target` overrides external_cfg.mode with a function or mode class (tests, notebooks)."""
-        self.name = external_cfg.mode if target is None else getattr(target, "__name__", "custom")
+        self.name = mode_for(external_cfg.mode, env) if target is None else getattr(target, "__name__", "custom")
         self.max_concurrency = external_cfg.max_concurrency
         self.options = options_of(external_cfg)
         target = target or resolve_feedback(self.name)

@@ -6,6 +6,17 @@ from typing import Callable, Generic, Iterator, TypeVar
 
 T = TypeVar("T")
 
+# The tail of an unknown-name error: how the user's own env / feedback mode / registered rule becomes selectable.
+ENV_HINT = ("or your own: plugins=[my_pkg.envs] (a module that registers it with @ENVS.register) "
+            "or env.name=my_pkg.envs:MyEnv")
+FEEDBACK_HINT = ("or your own: external.mode=my_pkg.feedback:my_function, or plugins=[my_pkg.feedback] "
+                 "(a module that registers it with @FEEDBACK.register) and external.mode=ITS_NAME")
+
+
+def registry_hint(registry: str) -> str:
+    """The hint for a name of one of the other registries (BASELINES, CREDITS, LOSS_AGGS, ...)."""
+    return f"or your own: plugins=[my_pkg.module] (a module that registers it with @{registry}.register)"
+
 
 class Registry(Generic[T]):
     def __init__(self, kind: str):
@@ -21,6 +32,12 @@ class Registry(Generic[T]):
             return obj
 
         return deco
+
+    def replace(self, name: str, obj: T) -> T:
+        """Register obj under name even when an older definition holds it (the Python API's classes:
+        a notebook cell that defines one runs again)."""
+        self._items[name] = obj
+        return obj
 
     def get(self, name: str) -> T:
         try:

@@ -20,7 +20,7 @@ from .distributed import World, world_from_env
 from .env import Environment, call_env, make_env
 from .errors import ConfigError, TrainingError, log_traceback
 from .evaluation import evaluate
-from .feedback import Feedback
+from .feedback import Feedback, FeedbackTarget, mode_for
 from .generation import SamplingParams
 from .guards import BadSteps, Halvable, oom_retry
 from .loss import kept_completions
@@ -61,11 +61,15 @@ class ProblemSampler:
         return [self.problems[i] for i in picked]
 
 
-def prepare(cfg: TrainConfig) -> tuple[Environment, Feedback]:
+def prepare(
+    cfg: TrainConfig, env: Environment | None = None, feedback: FeedbackTarget | None = None
+) -> tuple[Environment, Feedback]:
     """Everything that can fail on bad input, before any model loads and before the run dir exists
-    (the data, an expert endpoint and its key included)."""
+    (the data, an expert endpoint and its key included). `env`: an env built already (the Python
+    API's env instance) instead of one made from cfg.env; `feedback`: a function or FeedbackMode
+    class instead of cfg.external.mode."""
     validate(cfg)
-    env = make_env(cfg.env)
+    env = env if env is not None else make_env(cfg.env)
     check_finite(env.cfg, "env")
     # Every key the env runs with, its Config's defaults included: config.json, --cfg and resume see them all.
     cfg.env = {"name": cfg.env["name"], **asdict(env.cfg)}
@@ -77,9 +81,10 @@ def prepare(cfg: TrainConfig) -> tuple[Environment, Feedback]:
     if evaluates(cfg):
         _check_split(env, "eval")
     check_tree_size(cfg, env.num_agents)
-    feedback = Feedback(cfg.external, env)
-    feedback.check()
-    return env, feedback
+    cfg.external.mode = mode_for(cfg.external.mode, env)  # config.json records the mode that ran, not `auto`
+    checked = Feedback(cfg.external, env, feedback)
+    checked.check()
+    return env, checked
 
 
 def evaluates(cfg: TrainConfig) -> bool:
@@ -106,8 +111,10 @@ def _check_split(env: Environment, split: str) -> None:
 TRAIN_STREAM, EVAL_STREAM = 0, 1
 
 
-def train(cfg: TrainConfig, prepared: tuple[Environment, Feedback] | None = None) -> Path:
-    env, feedback = prepared or prepare(cfg)
+def train(cfg: TrainConfig, env: Environment | None = None, feedback: FeedbackTarget | None = None) -> Path:
+    """Check cfg (prepare) and train; returns the run dir. From Python, use `magrpo.train`: it also
+    composes and type-checks the config the way the command line does."""
+    env, feedback = prepare(cfg, env, feedback)
     world = world_from_env(cfg.model.device, cfg.trainer.dist_timeout_min)
     try:
         return _train(cfg, env, feedback, world)
@@ -273,7 +280,9 @@ class Run:
                 for key in (f"eval/turn_{last}/greedy_reward_mean", f"eval/turn_{last}/pass@1_greedy")
                 if key in out
             )
-            bar.write(f"magrpo: eval turn {last + 1}: {summary} ({out['perf/eval_s']:.0f} s)", file=sys.stderr)
+            # turn_{last}, as in the metric keys (and t0, t1 in the step line): turns count from 0 everywhere
+            bar.write(f"magrpo: eval turn_{last} (last turn): {summary} ({out['perf/eval_s']:.0f} s)",
+                      file=sys.stderr)
         return out
 
     def own_metrics(self, *parts: dict[str, float]) -> dict[str, float]:

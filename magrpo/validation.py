@@ -11,6 +11,7 @@ from typing import Optional
 
 from .config import TrainConfig, above, at_least, check_finite, choice, flatten, under
 from .errors import ConfigError
+from .registry import registry_hint
 
 
 def validate(cfg: TrainConfig) -> None:
@@ -79,11 +80,12 @@ def validate(cfg: TrainConfig) -> None:
         parse_expand(trainer.expand)
     except ValueError as e:
         raise ConfigError("trainer.expand", str(e)) from None
-    choice("trainer.advantage_estimator", trainer.advantage_estimator, ESTIMATORS.names())
-    choice("trainer.cross_credit", trainer.cross_credit, CREDITS.names())
-    choice("trainer.baseline", trainer.baseline, BASELINES.names())
+    choice("trainer.advantage_estimator", trainer.advantage_estimator, ESTIMATORS.names(),
+           registry_hint("ESTIMATORS"))
+    choice("trainer.cross_credit", trainer.cross_credit, CREDITS.names(), registry_hint("CREDITS"))
+    choice("trainer.baseline", trainer.baseline, BASELINES.names(), registry_hint("BASELINES"))
     choice("trainer.advantage_scale", trainer.advantage_scale, SCALES.names())
-    choice("trainer.loss_agg", trainer.loss_agg, LOSS_AGGS.names())
+    choice("trainer.loss_agg", trainer.loss_agg, LOSS_AGGS.names(), registry_hint("LOSS_AGGS"))
     check_loss_credit_options(cfg)
 
     gen = cfg.generation

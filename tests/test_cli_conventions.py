@@ -46,7 +46,7 @@ from magrpo.feedback import FEEDBACK
 
 @FEEDBACK.register("my_again")
 def again(prompt, agent_completions, num_agents, prompt_history_per_agent, response_history_per_agent, **context):
-    return [prompt + " Again:"] * num_agents
+    return [prompt_history_per_agent[i][0] + " Again:" for i in range(num_agents)]  # each agent's own role kept
 '''
 CREDIT_CODE = '''
 import numpy as np
@@ -132,25 +132,54 @@ def test_a_user_feedback_function_by_import_path_and_plugins_in_a_config_file(us
     assert cfg.env["name"] == "my_echo" and cfg.plugins == ["my_pkg.envs"]
 
 
-def test_the_documented_plugin_env_runs(tmp_path, monkeypatch):
-    from magrpo.env import ENVS
-    from magrpo.trainer import prepare
-
+def documented(path: str) -> str:
+    """The python block of docs/environments.md that starts with `# path`."""
     doc = (ROOT / "docs" / "environments.md").read_text()
-    code = "# my_pkg/envs.py" + doc.split("```python\n# my_pkg/envs.py")[1].split("```")[0]
+    return f"# {path}" + doc.split(f"```python\n# {path}")[1].split("```")[0]
+
+
+@pytest.fixture
+def documented_pkg(tmp_path, monkeypatch):
+    """docs/environments.md's plugin env and feedback function, as written, as the package my_pkg."""
+    from magrpo.env import ENVS
+    from magrpo.feedback import FEEDBACK
+
     (tmp_path / "my_pkg").mkdir()
     (tmp_path / "my_pkg" / "__init__.py").write_text("")
-    (tmp_path / "my_pkg" / "envs.py").write_text(code)
+    for module in ("envs", "feedback"):
+        (tmp_path / "my_pkg" / f"{module}.py").write_text(documented(f"my_pkg/{module}.py"))
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", list(sys.path))
-    try:
-        cfg = compose(["plugins=[my_pkg.envs]", "env=my_env", "env.n=16", *TOY, f"logging.run_dir={tmp_path / 'run'}"])
-        env, _ = prepare(cfg)
-        assert len(env.problems("train")) == 16 and env.rewards([{}], [["x" * 10, "y"]]) == [0.5]
-    finally:
-        for name in ("my_pkg", "my_pkg.envs"):
-            sys.modules.pop(name, None)
-        ENVS._items.pop("my_env", None)
+    yield tmp_path
+    for name in ("my_pkg", "my_pkg.envs", "my_pkg.feedback"):
+        sys.modules.pop(name, None)
+    ENVS._items.pop("my_env", None)
+    FEEDBACK._items.pop("my_again", None)
+
+
+def test_the_documented_plugin_env_runs(documented_pkg):
+    from magrpo.trainer import prepare
+
+    cfg = compose(["plugins=[my_pkg.envs]", "env=my_env", "env.n=16", *TOY,
+                   f"logging.run_dir={documented_pkg / 'run'}"])
+    env, _ = prepare(cfg)
+    assert len(env.problems("train")) == 16 and env.rewards([{}], [["x" * 10, "y"]]) == [0.5]
+
+
+def test_the_documented_plugin_feedback_keeps_each_agents_own_role(documented_pkg):
+    """Agent 1's role (" (answer)") is in its turn-2 prompt and not in agent 0's: the function builds
+    on each agent's own first prompt, not on `prompt` (the problem's text, the same for both)."""
+    from magrpo.feedback import Branch
+    from magrpo.trainer import prepare
+
+    cfg = compose(["plugins=[my_pkg.envs,my_pkg.feedback]", "env=my_env", "external.mode=my_again", *TOY,
+                   f"logging.run_dir={documented_pkg / 'run'}"])
+    env, feedback = prepare(cfg)
+    problem = env.problems("train")[0]
+    first = env.agent_prompts(problem)
+    (second,) = feedback([Branch(problem["prompt"], ["1", "2"], [[p] for p in first], [["1"], ["2"]])])
+    assert first[1].endswith(" (answer)") and not first[0].endswith(" (answer)")
+    assert [p.startswith(f"{f}\n") for p, f in zip(second, first)] == [True, True], second
 
 
 def test_env_name_alone_switches_to_that_envs_node():

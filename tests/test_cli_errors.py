@@ -19,13 +19,16 @@ CASES = {
     "trainer.num_generations=1": ("trainer.num_generations", [">= 2"]),
     "trainer.num_turns=0": ("trainer.num_turns", [">= 1"]),
     "trainer.joint_mode=crossed": ("trainer.joint_mode", ["'crossed'", "align, cross"]),
-    "trainer.baseline=median": ("trainer.baseline", ["mean, none, rloo", "max"]),
-    "external.mode=nope": ("external.mode", ["'nope'", "plain", "package.module:function"]),
+    "trainer.baseline=median": ("trainer.baseline", ["mean, none, rloo", "max", "plugins=[", "@BASELINES.register"]),
+    "external.mode=nope": ("external.mode", ["'nope'", "plain", "external.mode=my_pkg.feedback:my_function",
+                                             "plugins=[my_pkg.feedback]"]),
+    "external=nope": ("external", ["'nope'", "plain", "external.mode=my_pkg.feedback:my_function"]),
     "external.mode=no_such_pkg.mod:fn": ("external.mode", ["no_such_pkg.mod"]),
     "external.mode=json:no_such_fn": ("external.mode", ["no_such_fn"]),
     "model.name=/does/not/exist": ("model.name", ["/does/not/exist", "not an existing folder"]),
     "model=nope": ("model", ["'nope'", "tiny"]),
-    "env.name=nope": ("env.name", ["'nope'", "length_ratio", "package.module:Class"]),
+    "env.name=nope": ("env.name", ["'nope'", "length_ratio", "plugins=[my_pkg.envs]", "env.name=my_pkg.envs:MyEnv"]),
+    "env=nope": ("env", ["'nope'", "choose one of: code, ", "plugins=[my_pkg.envs]", "env.name=my_pkg.envs:MyEnv"]),
     "+experiment=nope": ("experiment", ["'nope'", "toy"]),  # an optional group: unchecked, it would train
     # more command-line cases, in process: tests/test_cli_conventions.py
     "--verbose": ("--verbose", ["unknown flag", "--config-dir"]),
@@ -60,6 +63,21 @@ def test_bad_input_gives_one_line_naming_the_key(run_cli, case):
     assert lines[0].startswith(f"config error: {key}:"), lines[0]
     for word in words:
         assert word in lines[0], (word, lines[0])
+
+
+def test_an_unregistered_env_says_how_to_add_ones_own_from_python_too(make_cfg):
+    """The Python API and an env name that only fails when the env is built (a hand-made config)."""
+    import magrpo
+    from magrpo.errors import ConfigError
+    from magrpo.trainer import prepare
+    from tests.conftest import SMALL
+
+    with pytest.raises(ConfigError, match=r"^env.name: 'nope' is not allowed; .*plugins=\[my_pkg.envs\]"):
+        magrpo.train(SMALL, env="nope")
+    cfg = make_cfg()
+    cfg.env = {"name": "nope"}
+    with pytest.raises(ConfigError, match=r"^env.name: 'nope' is not allowed; .*env.name=my_pkg.envs:MyEnv"):
+        prepare(cfg)
 
 
 def train_py(*argv: str, **env: str) -> tuple[int, list[str]]:

@@ -67,3 +67,18 @@ def test_training_evaluation_honours_early_termination(make_cfg):
     last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
     assert last["eval/turn_1/greedy_reward_mean"] == last["eval/turn_0/greedy_reward_mean"]
     assert last["eval/turn_1/reward_mean"] == last["eval/turn_0/reward_mean"]
+
+
+def test_the_console_names_the_eval_turn_as_its_metric_keys_do(make_cfg, capsys):
+    """Turns count from 0 in metric keys (eval/turn_1/... is the second turn): the console line says
+    turn_1 too (it said "eval turn 2" for the numbers logged under eval/turn_1)."""
+    import json
+    import re
+
+    from magrpo.trainer import train
+
+    run = train(make_cfg("trainer.steps=1", "trainer.num_turns=2", "eval.num_samples=0", "logging.progress=true"))
+    last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    (line,) = [x for x in capsys.readouterr().err.splitlines() if x.startswith("magrpo: eval turn")]
+    named = re.match(r"magrpo: eval (turn_\d+) \(last turn\): greedy_reward_mean (\S+)", line)
+    assert named and named.groups() == ("turn_1", f"{last['eval/turn_1/greedy_reward_mean']:.3f}"), line

@@ -174,3 +174,27 @@ def test_reference_expert_without_canonical_solution_falls_back_to_level_feedbac
     metrics = fb.metrics()
     assert metrics["expert/fallbacks"] == 1 and metrics["expert/failures"] == 1
     assert fb.metrics()["expert/fallbacks"] == 0  # reset on read: per-step numbers
+
+
+@pytest.mark.parametrize("overrides,mode", [
+    (["env=length_ratio"], "length_ratio"),  # the env's default_feedback (it was plain: the attribute did nothing)
+    (["env=code"], "plain"),
+    (["env=length_ratio", "external=plain"], "plain"),  # a mode the user picks wins
+    (["env=length_ratio", "external.mode=plain"], "plain"),
+])
+def test_an_envs_default_feedback_is_the_mode_unless_one_is_chosen(make_cfg, overrides, mode):
+    from magrpo.cli import compose
+    from magrpo.trainer import prepare
+
+    cfg = compose([*overrides, "model=tiny", "env.train_size=2" if "env=length_ratio" in overrides else
+                   "env.train_split='test[:2]'", "eval.at_end=false"])
+    _, feedback = prepare(cfg)
+    assert feedback.name == mode and cfg.external.mode == mode  # config.json records the mode that ran
+
+
+def test_an_env_without_default_feedback_gets_plain():
+    from magrpo.feedback import mode_for
+    from tests.fakes import PassEnv
+
+    assert PassEnv.default_feedback is None and mode_for("auto", PassEnv(None)) == "plain"
+    assert mode_for("passed", PassEnv(None)) == "passed"

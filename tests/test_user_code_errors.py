@@ -127,7 +127,7 @@ def test_debug_switch_prints_the_traceback(run_main, monkeypatch):
 def test_a_second_signal_is_one_line_exit_130(run_main, monkeypatch):
     import magrpo.trainer
 
-    def interrupted(cfg, prepared):
+    def interrupted(cfg):
         raise KeyboardInterrupt  # what console.StopSignals raises on a second signal
 
     monkeypatch.setattr(magrpo.trainer, "train", interrupted)
