@@ -253,10 +253,12 @@ def test_split_indices_match_datasets(n):
 
 # --- loading -----------------------------------------------------------------------------------
 
-def test_shipped_humaneval_loads_fast():
-    start = time.perf_counter()
+def test_shipped_humaneval_loads_offline_without_the_hub_path(monkeypatch):
+    """Offline, the shipped copy is read directly: no second spent importing `datasets` (a structural
+    check: a wall-clock bound here would fail on a busy machine)."""
+    monkeypatch.setattr(P, "_load_hub", lambda *a: pytest.fail("the hub path was taken offline"))
     records = P.load_problems("humaneval", "test")
-    assert time.perf_counter() - start < 1.0
+    assert len(records) == 164
     assert all(isinstance(r[k], str) for r in records for k in P.FIELDS)
 
 
