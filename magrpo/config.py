@@ -144,7 +144,8 @@ class TrainerConfig:
     exploration up); 0 = off."""
     seed: int = 0
     """In [0, 2**32). Seeds python, numpy, torch, the data order and the sampling streams (one per tree, node, agent
-    and sample: the same under any batching or number of processes)."""
+    and sample: the same random numbers under any batching or number of processes; docs/long-runs.md,
+    Reproducibility, says when the tokens are the same too)."""
     max_sequences_per_step: int = 20_000
     """Completions one step may generate at most (trees x nodes x agents x K, no early termination; cross mode grows
     as (K^N)^(T-1)); more is a config error at start-up; 0 = no cap."""

@@ -1,9 +1,10 @@
 """What a generate call asks for: one `GenerationRequest` per agent prompt, and the `SamplingParams`
 shared by the call. The backends that answer them live in magrpo.backends.
 
-A request's `seed` keys its random streams (magrpo.sampling): the HF backend then samples the same
-completions in any batch; vLLM seeds the request's own generator with it (its streams differ from
-HF's, and a sample can still change where batch composition changes the logits' last bits).
+A request's `seed` keys its random streams (magrpo.sampling): the HF backend then draws the same
+random numbers in any batch, and so the same tokens, up to a near tie where another batch shape
+rounds the logits otherwise (docs/long-runs.md, Reproducibility); vLLM seeds the request's own
+generator with it (its streams differ from HF's, with the same caveat).
 """
 from __future__ import annotations
 

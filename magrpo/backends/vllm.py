@@ -4,7 +4,7 @@ Each engine lives next to the trainer (colocated: vLLM's engine core is a child 
 trainer's) with prefix caching on, so the K samples of a request and the children of a node (whose
 prompts start with the parent's) reuse KV blocks. All requests of a turn for one base model go into
 one `LLM.generate` call, each carrying its agent's `LoRARequest` and its seed (vLLM's per-request
-sampling seed, so a tree samples the same completions whatever else shares the batch). Prompts are
+sampling seed, so a tree samples the same completions whatever else shares the batch, up to near ties). Prompts are
 sent as token ids made by `Agent.encode_prompts`, so `prompt_ids` are exactly what the trainer scores.
 
 Under torchrun every process starts its own engines on its own share of the machine (`engine_env`):
