@@ -52,6 +52,15 @@ def test_prompts_name_the_functions_from_the_signature(env):
     assert "def has_close_elements(numbers: List[float], threshold: float) -> bool:" in main_prompt
 
 
+def test_a_right_answer_too_deep_for_ast_unparse_scores_full_reward(env):
+    """330 chained operators are legal Python, but ast.unparse recursed past Python's limit: the
+    RecursionError stopped training (reward.on_error=raise) or scored the right answer 0 (zero).
+    Its own lines now go into the program."""
+    problem = env.problems("train")[0]
+    deep = MAIN.replace("    return False", "    return " + " + ".join(["0"] * 330) + " == 1")
+    assert env.rewards([problem], [[AUX, deep]])[0] == pytest.approx(4.0)
+
+
 def test_canonical_solution_split_into_aux_and_main_scores_full_reward(env):
     problem = env.problems("train")[0]
     rewards = env.rewards([problem, problem], [[AUX, MAIN], [AUX, WRONG_MAIN]])

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ast
 import re
+import textwrap
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -109,22 +110,33 @@ def syntax_error(text: str) -> str | None:
     return None
 
 
+# What Python's own parser or unparser raise on legal code that is too deep or too large for them here
+# (e.g. ~330 chained operators): analysis degrades instead of failing the reward (docs/environments.md).
+TOO_DEEP = (RecursionError, MemoryError)
+
+
 def find_function(text: str, name: str) -> ast.FunctionDef | None:
     """The top-level `def name` of `text`, parsing only that function when the rest is broken."""
+    return _find(text, name)[0]
+
+
+def _find(text: str, name: str) -> tuple[ast.FunctionDef | None, str]:
+    """The top-level `def name` of `text` (None if absent, or too deep for the parser) and the code
+    it was parsed from (its line numbers refer to that code)."""
     code = strip_fences(text)
     try:
         tree = ast.parse(code)
-    except SyntaxError:
-        tree = _parse_def_only(code, name)
+    except (SyntaxError, *TOO_DEEP):
+        tree, code = _parse_def_only(code, name)
     if tree is None:
-        return None
+        return None, code
     for node in tree.body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name:
-            return node
-    return None
+            return node, code
+    return None, code
 
 
-def _parse_def_only(code: str, name: str) -> ast.Module | None:
+def _parse_def_only(code: str, name: str) -> tuple[ast.Module | None, str]:
     """Cut from `def name(` to the next line at the same or lower indent, and parse that."""
     lines = code.splitlines()
     for i, line in enumerate(lines):
@@ -133,11 +145,22 @@ def _parse_def_only(code: str, name: str) -> ast.Module | None:
             end = i + 1
             while end < len(lines) and (not lines[end].strip() or len(lines[end]) - len(lines[end].lstrip()) > indent):
                 end += 1
+            cut = "\n".join(line[indent:] for line in lines[i:end])
             try:
-                return ast.parse("\n".join(line[indent:] for line in lines[i:end]))
-            except SyntaxError:
-                return None
-    return None
+                return ast.parse(cut), cut
+            except (SyntaxError, *TOO_DEEP):
+                return None, cut
+    return None, code
+
+
+def function_source(fn: ast.FunctionDef, code: str) -> str:
+    """The function as the combined program holds it: normalised by ast.unparse, or, where its tree is
+    too deep to unparse, its own lines as written (decorators included, dedented)."""
+    try:
+        return ast.unparse(fn)
+    except TOO_DEEP:
+        first = min([d.lineno for d in fn.decorator_list] + [fn.lineno])
+        return textwrap.dedent("\n".join(code.splitlines()[first - 1 : fn.end_lineno]))
 
 
 def _own_nodes(fn: ast.AST):
@@ -179,10 +202,11 @@ def analyze(helpers: Sequence[str] | str | None, main_completion: str, entry_poi
     is the two-agent form (`aux`), None or () the single-agent setting."""
     completions = () if helpers is None else (helpers,) if isinstance(helpers, str) else tuple(helpers)
     names = helper_names(len(completions))
-    fns = [find_function(text, name) for text, name in zip(completions, names)]
-    main = find_function(main_completion, entry_point)
-    sources = [ast.unparse(fn) if fn is not None else None for fn in fns]
-    main_src = ast.unparse(main) if main is not None else None
+    found = [_find(text, name) for text, name in zip(completions, names)]
+    fns = [fn for fn, _ in found]
+    main, main_code = _find(main_completion, entry_point)
+    sources = [function_source(fn, code) if fn is not None else None for fn, code in found]
+    main_src = function_source(main, main_code) if main is not None else None
     program = None
     parses = False
     if main is not None:
@@ -190,7 +214,7 @@ def analyze(helpers: Sequence[str] | str | None, main_completion: str, entry_poi
         try:
             ast.parse(program)
             parses = True
-        except SyntaxError:
+        except (SyntaxError, *TOO_DEEP):
             parses = False
     return Analysis(
         helpers=tuple(Helper(name, src, fn is not None and has_return(fn), main is not None and calls(main, name),
