@@ -210,6 +210,18 @@ def hostile_corpus(target: Path) -> dict[str, tuple[str, bool]]:
     }
 
 
+def test_a_reply_that_is_not_utf8_fails_the_case_even_under_except_valueerror():
+    """The candidate writes one well-framed message of bytes that are not UTF-8 on its reply channel.
+    Its decode error was a UnicodeDecodeError, a ValueError: the test's own `except ValueError` caught
+    it and the case passed. Now the call fails, whatever the test catches."""
+    code = ("import os, sys\ndef f(x):\n    fd = sys._getframe(1).f_locals['reply_fd']\n"
+            "    os.write(fd, (2).to_bytes(4, 'big') + b'\\xff\\xfe')\n    return x + 1\n")
+    cases = ["try:\n    candidate(1)\nexcept ValueError:\n    pass", "assert candidate(2) == 3"]
+    result = run_program(prog(code, cases), FAST)
+    assert [c.passed for c in result.cases] == [False, False]
+    assert "bad reply from the candidate" in (result.cases[0].error or "")
+
+
 STOP_ITERATION = ("def f(x):\n    raise StopIteration\n", ["assert all(map(candidate, [1, 2]))"])
 
 

@@ -88,6 +88,8 @@ class Channel:
             self.gone = CallFailed("crashed", CRASHED)
         except wire.PlainDataError as e:  # the stream is out of step from here on
             self.gone = CallFailed(f"bad reply from the candidate: {e}")
+        except Exception as e:  # noqa: BLE001  (fail closed: no error of the channel may reach the test's `except`)
+            self.gone = CallFailed(f"bad reply from the candidate: {type(e).__name__}")
         else:
             if type(reply) is dict and reply.get("id") == self.next_id:
                 return reply

@@ -144,13 +144,13 @@ def receive(fd, max_bytes, deadline=None, trusted=False):
     size = int.from_bytes(_read_exactly(fd, HEADER_SIZE, deadline), "big")
     if size > max_bytes:
         raise PlainDataError(f"a message of {size} bytes (more than {max_bytes})")
-    text = _read_exactly(fd, size, deadline).decode("utf-8", "surrogatepass")
+    data = _read_exactly(fd, size, deadline)
     if trusted:
-        return eval(text, {"__builtins__": {}})
+        return eval(data.decode("utf-8", "surrogatepass"), {"__builtins__": {}})
     import ast
 
-    try:
-        return ast.literal_eval(text)
+    try:  # bytes that are not UTF-8 fail here too (UnicodeDecodeError is a ValueError a test could catch)
+        return ast.literal_eval(data.decode("utf-8", "surrogatepass"))
     except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError) as e:
         raise PlainDataError(f"malformed message: {type(e).__name__}") from None
 
