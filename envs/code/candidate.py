@@ -29,7 +29,7 @@ if __package__:
 else:  # started by the driver: its boot line puts this folder first on sys.path
     import wire
 
-NEWNS, NEWPID, NEWNET = 0x00020000, 0x20000000, 0x40000000
+NEWNS, NEWPID, NEWNET, NEWIPC = 0x00020000, 0x20000000, 0x40000000, 0x08000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = (
     1, 2, 4, 8, 32, 4096, 16384, 1 << 18)
 KEEP = {"usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32", "etc", "dev", "proc", "sys"}
@@ -142,7 +142,9 @@ def _enter_namespaces(libc: _Libc, status_fd: int, keep_fds: tuple[int, ...]) ->
     """Unshare and fork. The parent stays outside as the child's waiter and never returns; the child
     (PID 1 inside) returns True. False: no namespaces here (no CAP_SYS_ADMIN), nothing changed."""
     try:
-        libc.call("unshare", NEWNS | NEWPID | NEWNET)
+        # NEWIPC: SysV shared memory, semaphores and queues die with the run (they outlive processes,
+        # so a program could keep state across runs and learn the judge's answers from its calls)
+        libc.call("unshare", NEWNS | NEWPID | NEWNET | NEWIPC)
     except OSError:
         return False
     pid = os.fork()
