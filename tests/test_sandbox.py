@@ -222,6 +222,15 @@ def test_a_reply_that_is_not_utf8_fails_the_case_even_under_except_valueerror():
     assert "bad reply from the candidate" in (result.cases[0].error or "")
 
 
+def test_a_reply_just_under_the_size_cap_cannot_take_the_judges_memory():
+    """A 15 MB list literal (under the 16 MB reply cap) becomes millions of objects when the judge decodes
+    it: the audit saw 1.9 GB in the judge's child. The child now has the candidate's memory limit, so the
+    decode fails with MemoryError and the call fails."""
+    result = run_program(prog("def f(x):\n    return [0] * 5_000_000\n"), dataclasses.replace(FAST, timeout_s=20))
+    assert result.passed == 0
+    assert "MemoryError" in (result.cases[0].error or ""), result.cases[0]
+
+
 SYSV_KEY = 0x6D616772  # "magr"
 # Returns the right answer only when it could create a SysV segment that outlives it (IPC_CREAT | 0600).
 SYSV_SEGMENT = ("import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"

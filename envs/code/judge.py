@@ -207,9 +207,15 @@ def _compile_all(job: dict, cache: dict) -> dict:
 
 def _run_child(job: dict, compiled: dict, fds: list[int], sock) -> None:
     import random
+    import resource
     import signal
     import time
 
+    # The candidate's memory limit holds here too: decoding a reply just under the size cap could
+    # otherwise take gigabytes (a 12 MB list literal put 1.9 GB in the judge); now a MemoryError
+    # there fails the call.
+    limit = job["memory_mb"] << 20
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     random.seed(0)  # tests that draw random inputs draw the same ones for every candidate
 
     def on_alarm(signum, frame):

@@ -317,7 +317,7 @@ def _run(program: Program, limits: SandboxLimits, workdir: str, uid: int | None)
             os.close(fd)  # only the candidate holds these ends now: EOF once it is gone
     job = {"code": program.code, "preamble": program.preamble, "cases": list(program.cases),
            "entry_point": program.entry_point, "names": _function_names(program.code, program.entry_point),
-           "timeout_s": limits.timeout_s, "max_message": limits.reply_mb << 20}
+           "timeout_s": limits.timeout_s, "max_message": limits.reply_mb << 20, "memory_mb": limits.memory_mb}
     try:
         judge.send(job, [request_w, reply_r])
     finally:
