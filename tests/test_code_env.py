@@ -63,10 +63,11 @@ def test_a_right_answer_too_deep_for_ast_unparse_scores_full_reward(env):
 
 def test_canonical_solution_split_into_aux_and_main_scores_full_reward(env):
     problem = env.problems("train")[0]
+    runs = env.sandbox_runs  # the env is shared by the module's tests
     rewards = env.rewards([problem, problem], [[AUX, MAIN], [AUX, WRONG_MAIN]])
     assert rewards[0] == pytest.approx(4.0)
     assert rewards[1] < 4.0
-    assert env.sandbox_runs == 2
+    assert env.sandbox_runs - runs == 2
 
 
 @pytest.mark.slow
