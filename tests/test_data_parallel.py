@@ -204,10 +204,13 @@ def test_torchrun_settings_that_cannot_work_are_one_line_errors(monkeypatch, ove
 @pytest.mark.slow
 def test_sigterm_to_torchrun_checkpoints_every_process_and_resumes(tmp_path):
     """torchrun forwards SIGTERM to every process: they finish the step together, rank 0 writes one
-    checkpoint, and `resume=auto` under torchrun continues to the uninterrupted run's rollouts."""
-    settings = ["trainer.steps=6", "eval.every=0", "checkpoint.every=100", "generation.max_new_tokens=24"]
+    checkpoint, and `resume=auto` under torchrun continues to the uninterrupted run's rollouts. The
+    uninterrupted run has 2 processes too: every decode batch has its shape, so batched decoding
+    (max_batch_rows=0, faster than RUN's one row at a time) gives the same bits."""
+    settings = ["trainer.steps=6", "eval.every=0", "checkpoint.every=100", "generation.max_new_tokens=24",
+                "generation.max_batch_rows=0"]
     reference = tmp_path / "reference"
-    run(reference, 1, *settings)
+    run(reference, 2, *settings)
     run_dir = tmp_path / "stopped"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py", *RUN,
            f"logging.run_dir={run_dir}", *settings]
