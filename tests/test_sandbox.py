@@ -223,10 +223,15 @@ def test_a_reply_that_is_not_utf8_fails_the_case_even_under_except_valueerror():
 
 
 def test_a_reply_just_under_the_size_cap_cannot_take_the_judges_memory():
-    """A 15 MB list literal (under the 16 MB reply cap) becomes millions of objects when the judge decodes
+    """A 14 MB list literal (under the 16 MB reply cap) becomes millions of objects when the judge decodes
     it: the audit saw 1.9 GB in the judge's child. The child now has the candidate's memory limit, so the
-    decode fails with MemoryError and the call fails."""
-    result = run_program(prog("def f(x):\n    return [0] * 5_000_000\n"), dataclasses.replace(FAST, timeout_s=20))
+    decode fails with MemoryError and the call fails. (Without it the judge was still decoding at the
+    20 s timeout.) The program writes the frame itself: cheap for it, whatever its own memory limit."""
+    code = ("import os, sys\ndef f(x):\n    fd = sys._getframe(1).f_locals['reply_fd']\n"
+            "    body = b'[' + b'0,' * 7_000_000 + b']'\n"
+            "    view = memoryview(len(body).to_bytes(4, 'big') + body)\n"
+            "    while view:\n        view = view[os.write(fd, view):]\n    return x + 1\n")
+    result = run_program(prog(code), dataclasses.replace(FAST, timeout_s=20))
     assert result.passed == 0
     assert "MemoryError" in (result.cases[0].error or ""), result.cases[0]
 
