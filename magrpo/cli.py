@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import re
 import sys
-import warnings
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -324,8 +323,6 @@ def main(argv: Sequence[str]) -> int:
     if args.help:
         print(USAGE.format(groups=", ".join(sorted(groups(args.config_dir)))))
         return 0
-    # peft calls a deprecated transformers property on every model load: noise for our users.
-    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
     if args.multirun:
         from .sweep import sweep
 
