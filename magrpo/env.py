@@ -34,6 +34,8 @@ class Environment:
     default_feedback: ClassVar[str | None] = None  # the mode external.mode=auto (the default) picks; None: plain
     context_keys: ClassVar[frozenset[str]] = frozenset()  # keys score() puts in every feedback context
     split_keys: ClassVar[dict[str, str]] = {}  # "train"/"eval" -> the env.* key that picks it (named in errors)
+    # Said once at start-up and kept in the run's config.json under "warnings" (e.g. an unsafe sandbox).
+    warnings: tuple[str, ...] = ()
 
     def __init__(self, cfg: Any):
         self.cfg = cfg

@@ -174,7 +174,8 @@ class Run:
         self.first_step, self.env_step = (state["step"] + 1, state["env_step"]) if state else (1, 0)
         if world.is_main:  # only now, with a matching checkpoint loaded (or none to match), is the run dir touched
             checkpoint.claim_run_dir(self.dir, state["step"] if state else None)
-        self.writer = RunWriter(self.dir, asdict(cfg), cfg.logging.wandb) if world.is_main else NullWriter()
+        recorded = {**asdict(cfg), **({"warnings": list(env.warnings)} if env.warnings else {})}
+        self.writer = RunWriter(self.dir, recorded, cfg.logging.wandb) if world.is_main else NullWriter()
         self.eval_problems = env.problems("eval")[: cfg.eval.max_problems or None] if evaluates(cfg) else []
         self.tree = TreeSettings.of(cfg)
         self.advantage_settings = AdvantageSettings.of(cfg)

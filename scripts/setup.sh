@@ -9,6 +9,17 @@ cd "$(dirname "$0")/.."
 VENV=${MAGRPO_VENV:-.venv}
 TORCH_SPEC=${MAGRPO_TORCH:-torch==2.13.0}
 
+# bubblewrap isolates the code env's programs (env.sandbox=bwrap, the default): installed here where
+# we may (root with apt-get); otherwise said once, with the command for this machine.
+if ! command -v bwrap >/dev/null; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        apt-get install -y -q bubblewrap >/dev/null 2>&1 \
+            || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q bubblewrap >/dev/null 2>&1; } || true
+    fi
+    command -v bwrap >/dev/null || echo "setup: the code env needs bubblewrap: sudo apt-get install bubblewrap" \
+        "(Fedora: sudo dnf install bubblewrap; Arch: sudo pacman -S bubblewrap)" >&2
+fi
+
 . scripts/venv_lib.sh
 want=$(venv_key "$TORCH_SPEC")
 venv_ready "$VENV" "$want" && exit 0  # already set up for this pyproject and this checkout

@@ -71,9 +71,13 @@ def test_canonical_solution_split_into_aux_and_main_scores_full_reward(env):
 
 
 @pytest.mark.slow
-def test_code_env_trains_two_steps_on_the_tiny_model(make_cfg):
-    run = train(make_cfg("env=code", "env.train_split='test[:4]'", "env.eval_split='test[4:6]'",
+def test_code_env_trains_two_steps_on_the_tiny_model(make_cfg, capsys):
+    """Also the unsafe sandbox's warning: in the console, config.json and every step's metrics (the
+    default bwrap mode trains in test_data_parallel.py and test_overlap.py)."""
+    run = train(make_cfg("env=code", "env.train_split='test[:4]'", "env.eval_split='test[4:6]'", "env.sandbox=unsafe",
                          "external=plain", "generation.max_new_tokens=24", "eval.at_start=true"))
+    assert "WARNING: env.sandbox=unsafe: model-written programs run" in capsys.readouterr().err
+    assert json.loads((run / "config.json").read_text())["warnings"][0].startswith("env.sandbox=unsafe")
     before, *metrics = [json.loads(line) for line in open(run / "metrics.jsonl")]
     assert before["step"] == 0 and "eval/turn_1/pass@1_greedy" in before  # the untrained agents
     assert len(metrics) == 2
@@ -87,6 +91,24 @@ def test_code_env_trains_two_steps_on_the_tiny_model(make_cfg):
     for key in ["env/sandbox_runs", "env/sandbox_timeouts", "env/skipped_problems", "perf/sandbox_runs_per_s"]:
         assert key in last, key
     assert last["env/skipped_problems"] == 0  # HumanEval 0-5 all parse
+    assert all(m["env/sandbox_unsafe"] == 1.0 for m in metrics)
+
+
+def test_without_bubblewrap_the_code_env_stops_at_start_up_with_one_line(tmp_path):
+    """No bwrap on PATH: one line naming env.sandbox, what to install and the opt-in; exit 2, no model."""
+    from tests.test_cli_errors import train_py
+
+    code, lines = train_py("env=code", PATH=str(tmp_path), MAGRPO_CACHE=str(tmp_path / "cache"))
+    assert code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith("config error: env.sandbox: bubblewrap (bwrap) is not installed"), lines
+    for words in ("apt-get install bubblewrap", "env.sandbox=unsafe"):
+        assert words in lines[0]
+    assert not (tmp_path / "cache").exists()  # the tiny model was not built
+
+
+def test_a_sandbox_mode_that_does_not_exist_is_one_line(run_cli):
+    code, lines = run_cli("env=code", "env.sandbox=docker")
+    assert code == 2 and lines == ["config error: env.sandbox: 'docker' is not allowed; choose one of: bwrap, unsafe"]
 
 
 def test_reward_weights_come_from_config(make_cfg):

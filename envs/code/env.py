@@ -3,7 +3,6 @@ agent N-1 the entry point that may call them (one agent: the entry point alone).
 sandbox, never in-process."""
 from __future__ import annotations
 
-import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -13,6 +12,8 @@ from magrpo.distributed import is_main_process
 from magrpo.env import ENVS, Environment, Scored
 from magrpo.metrics import Counter, Gauge
 
+from . import isolation
+from .isolation import MODES, SandboxUnavailable
 from .judge import unsupported_reason
 from .problems import DatasetError, extract_tests, load_problems, parse_signature, prompt_context, wrap_case
 from .reward import USAGES, Analysis, RewardWeights, analyze, helper_names, score, strip_fences, syntax_error
@@ -60,6 +61,11 @@ class CodeEnv(Environment):
         """Wall-clock limit for one program with all its test cases."""
         workers: int = 0
         """Sandbox processes in parallel; 0 = one per CPU core."""
+        sandbox: str = "bwrap"
+        """bwrap: every program in its own bubblewrap sandbox (package `bubblewrap`; the run stops at
+        start-up, saying why, if none can start) | unsafe: plain child processes with rlimits only, for
+        machines without bubblewrap: a program can then read the tests, forge its reward and leave
+        processes behind (warned in the console, config.json and metric env/sandbox_unsafe)."""
         reward: RewardWeights = field(default_factory=RewardWeights)
         """Level weights, shift and scale (envs/code/reward.py)."""
 
@@ -73,15 +79,23 @@ class CodeEnv(Environment):
 
     def __init__(self, cfg: Any):
         super().__init__(cfg)
-        from magrpo.config import above, at_least
+        from magrpo.config import ConfigError, above, at_least, choice
 
         at_least("env.num_agents", cfg.num_agents, 1,
                  "1: the entry point alone; N >= 2: N-1 helper writers + the entry point")
         above("env.timeout_s", cfg.timeout_s, 0)  # 0 or less: every program, correct ones too, times out
         at_least("env.workers", cfg.workers, 0)
+        choice("env.sandbox", cfg.sandbox, list(MODES))
+        try:
+            isolation.check(cfg.sandbox)
+        except SandboxUnavailable as e:
+            raise ConfigError("env.sandbox", str(e)) from None
+        if cfg.sandbox == "unsafe":
+            self.warnings = (isolation.UNSAFE_WARNING,)
+            if is_main_process():
+                print(f"WARNING: {isolation.UNSAFE_WARNING}", file=sys.stderr)
         self.weights = cfg.reward
-        dataset_dir = os.path.dirname(os.path.abspath(cfg.dataset)) if os.path.isfile(cfg.dataset) else None
-        self.limits = SandboxLimits(timeout_s=cfg.timeout_s, hidden_paths=(dataset_dir,) if dataset_dir else ())
+        self.limits = SandboxLimits(timeout_s=cfg.timeout_s, mode=cfg.sandbox)
         self.sandbox_runs = 0
         self.timeouts = 0
         self.sandbox_s = 0.0
@@ -145,6 +159,7 @@ class CodeEnv(Environment):
             "env/skipped_problems": Gauge(self.skipped),  # every process loads the same data
             "env/unsupported_cases": Gauge(self.unsupported),
             "perf/sandbox_runs_per_s": Gauge(self.sandbox_runs / self.sandbox_s if self.sandbox_s else 0.0),
+            "env/sandbox_unsafe": Gauge(float(self.limits.mode == "unsafe")),  # every step: never lost in a log
         }
 
     def state(self) -> dict[str, Any]:

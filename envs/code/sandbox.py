@@ -2,16 +2,15 @@
 the program being graded.
 
 Two processes per program, and the driver here in the trainer:
-* the candidate process (`candidate.py`) runs the program, confined (namespaces, a filesystem view
-  of the OS only, its own uid and rlimits as root; see that file). It answers calls with plain
-  data and never sees a test.
+* the candidate process (`candidate.py`) runs the program inside a bubblewrap sandbox (isolation.py:
+  its own namespaces, no view of the host but the OS and Python's stdlib, rlimits). It answers calls
+  with plain data and never sees a test.
 * a judge process (`judge.py`, warm, one per worker thread, a fresh fork per program) runs the test
   preamble and the cases with `candidate` bound to proxies that call into the candidate process.
   It alone decides pass/fail, and reports on a socket the candidate cannot reach.
 The driver (this file) starts the candidate with its two pipe ends, hands the other two ends to a
 judge, collects the verdict, caps the candidate's stdout/stderr (never parsed), enforces the
-wall-clock timeout, and kills whatever the candidate left: with a PID namespace by killing its PID 1,
-otherwise every process of its uid.
+wall-clock timeout, and kills the sandbox (and with it every process the program started).
 """
 from __future__ import annotations
 
@@ -20,7 +19,6 @@ import atexit
 import functools
 import json
 import os
-import secrets
 import selectors
 import shutil
 import signal
@@ -32,21 +30,13 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Sequence
 
-from . import wire
+from . import isolation, wire
+from .isolation import BOOT, ENV, MODES, SANDBOX_LIB, SandboxUnavailable  # noqa: F401  (the env's imports)
 
-HERE = Path(__file__).resolve().parent
-UID_BASE, UID_SPAN = 2_000_000_000, 2 ** 31  # sandbox uids: far above real accounts, below (uid_t)-1
 DRAIN_S = 0.5  # after the candidate is gone: how long to wait for its output still in flight
 JUDGE_GRACE_S = 1.0  # the judge's own deadline is the timeout; past this much more, it is replaced
-THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
-# `python -I -S -c BOOT FOLDER ARG`: MODULE.main(ARG) imported from FOLDER with cached bytecode,
-# without site-packages (a faster start; the candidate must not see them anyway).
-BOOT = "import sys; sys.path.insert(0, sys.argv[1]); import {0}; {0}.main(sys.argv[2])"
-_uids_in_use: set[int] = set()
-_uid_lock = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -54,12 +44,11 @@ class SandboxLimits:
     timeout_s: float = 5.0  # wall clock per program (all its cases)
     cpu_s: int = 5  # RLIMIT_CPU
     memory_mb: int = 1024  # RLIMIT_AS, per process
-    max_processes: int = 64  # RLIMIT_NPROC: enforced because root runs switch to a uid of their own
+    max_processes: int = 64  # RLIMIT_NPROC, per sandbox (its own user namespace; as root, its own uid)
     file_size_mb: int = 10  # RLIMIT_FSIZE; the private /tmp holds 4x this
     output_bytes: int = 10_000  # stdout/stderr kept per program, truncated beyond
     reply_mb: int = 16  # largest answer of one call (a bigger return value fails the case)
-    hidden_paths: tuple[str, ...] = ()  # more paths the candidate must not see (e.g. a dataset's folder)
-    namespaces: bool = True  # False: no mount/PID/network namespaces even where allowed (the `uid` fallback)
+    mode: str = "bwrap"  # bwrap | unsafe (isolation.py; the env's `env.sandbox`)
 
 
 @dataclass
@@ -76,7 +65,7 @@ class RunResult:
     stdout: str
     stderr: str
     duration_s: float
-    isolation: str = ""  # namespaces | uid | rlimits (what confined this run; see candidate.py)
+    isolation: str = ""  # the mode that confined this run: bwrap | unsafe
 
     @property
     def passed(self) -> int:
@@ -113,11 +102,11 @@ class _Judge:
     def __init__(self) -> None:
         ours, theirs = socket.socketpair()
         self.sock = ours
-        self.proc = subprocess.Popen(
-            [sys.executable, "-I", "-S", "-c", BOOT.format("judge"), str(HERE), str(theirs.fileno())],
+        self.proc = subprocess.Popen(  # isolated mode, importing from a folder of its own (judge_lib)
+            [sys.executable, "-I", "-S", "-c", BOOT.format("judge"), judge_lib(), str(theirs.fileno())],
             pass_fds=(theirs.fileno(),),
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-            env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", **dict.fromkeys(THREAD_VARS, "1")})
+            env=ENV)
         theirs.close()
 
     def send(self, job: dict, fds: list[int]) -> None:
@@ -132,6 +121,13 @@ class _Judge:
             pass
         self.sock.close()
         self.proc.wait()
+
+
+@functools.lru_cache(maxsize=1)
+def judge_lib() -> str:
+    """The judge's modules alone, in a private read-only folder: never a folder a candidate could see or
+    write into (a `random.py` beside judge.py once took over every verdict)."""
+    return isolation.private_copy("magrpo-judge-", ("judge.py", "wire.py"), sys.executable, 0o500)
 
 
 class _JudgePool:
@@ -175,73 +171,6 @@ class _Frames(_Capped):
 
 # ---- candidates -----------------------------------------------------------------------------------
 
-def _acquire_uid() -> int:
-    """A random uid: no other live run shares it (and, with overwhelming odds, no other trainer's), and
-    none used it recently. That matters: a killed fork bomb's zombies count against their uid's
-    RLIMIT_NPROC until init gets round to reaping them, which can take seconds."""
-    with _uid_lock:
-        while (uid := UID_BASE + secrets.randbelow(UID_SPAN)) in _uids_in_use:
-            pass
-        _uids_in_use.add(uid)
-    return uid
-
-
-def _release_uid(uid: int) -> None:
-    with _uid_lock:
-        _uids_in_use.discard(uid)
-
-
-def _kill_uid(uid: int) -> None:
-    """SIGKILL every live process of `uid` (no PID namespace to do it for us)."""
-    for _ in range(100):  # repeat: a survivor may fork while we scan (bounded by RLIMIT_NPROC)
-        found = False
-        for pid in filter(str.isdigit, os.listdir("/proc")):
-            try:
-                with open(f"/proc/{pid}/status") as f:
-                    status = f.read()
-            except OSError:
-                continue
-            if f"\nUid:\t{uid}\t" in status and "\nState:\tZ" not in status:
-                found = True
-                try:
-                    os.kill(int(pid), signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        if not found:
-            return
-        time.sleep(0.001)
-
-
-def _remove_files_of(uid: int) -> None:
-    """What the uid left in the shared temp dirs (no private /tmp without namespaces)."""
-    for folder in ("/tmp", "/var/tmp", "/dev/shm"):
-        try:
-            entries = list(os.scandir(folder))
-        except OSError:
-            continue
-        for entry in entries:
-            try:
-                if entry.stat(follow_symlinks=False).st_uid != uid:
-                    continue
-                if entry.is_dir(follow_symlinks=False):
-                    shutil.rmtree(entry.path, ignore_errors=True)
-                else:
-                    os.unlink(entry.path)
-            except OSError:
-                pass
-
-
-@functools.lru_cache(maxsize=8)
-def hidden_paths(extra: tuple[str, ...] = ()) -> list[str]:
-    """Paths a candidate must not see even where the OS folders stay visible: the checkout, every
-    site-packages, the caches of datasets and models, and `extra`."""
-    home = Path.home()
-    paths = [str(HERE.parent.parent), *(p for p in sys.path if p.endswith(("site-packages", "dist-packages"))),
-             os.environ.get("HF_HOME", str(home / ".cache" / "huggingface")),
-             os.environ.get("MAGRPO_CACHE", str(home / ".cache" / "magrpo")), *extra]
-    return sorted({os.path.realpath(p) for p in paths if p})
-
-
 def _pump(sel: selectors.BaseSelector, until: float, done) -> bool:
     """Reads ready fds into their sinks until `done()` or `until`; False on timeout."""
     while not done():
@@ -274,14 +203,19 @@ def _exit_reason(returncode: int | None) -> str:
         return f"crashed: killed by signal {-returncode}"
 
 
-def _spawn(setup: dict, workdir: str, fds: tuple[int, ...]) -> subprocess.Popen:
-    home = "/tmp" if setup["uid"] is not None else workdir  # as root: its private /tmp (or the chowned workdir)
-    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": home, "TMPDIR": home,
-           **dict.fromkeys(THREAD_VARS, "1")}  # one thread per program: the workers run side by side
+def _spawn(setup: dict, mode: str, workdir: str | None, uid: int | None, fds: tuple[int, ...]) -> subprocess.Popen:
+    boot = ["-I", "-S", "-c", BOOT.format("candidate")]
+    if mode == "bwrap":  # bwrap clears the environment and sets the sandbox's own
+        lib = isolation.candidate_lib(mode)
+        argv = [*isolation.bwrap_command(lib, setup["tmp_mb"]), isolation.interpreter().executable, *boot,
+                SANDBOX_LIB, repr(setup)]
+        cwd, env = "/", {}
+    else:
+        argv = [sys.executable, *boot, isolation.candidate_lib(mode), repr(setup)]
+        cwd, env = workdir, {**ENV, "HOME": workdir, "TMPDIR": workdir}
     return subprocess.Popen(
-        [sys.executable, "-I", "-S", "-c", BOOT.format("candidate"), str(HERE), repr(setup)], cwd=workdir, env=env,
-        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=fds,
-        start_new_session=True)
+        argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        pass_fds=fds, start_new_session=True, **isolation.run_as(uid))
 
 
 def _status(data: bytes) -> dict:
@@ -294,19 +228,18 @@ def _status(data: bytes) -> dict:
     return out
 
 
-def _run(program: Program, limits: SandboxLimits, workdir: str, uid: int | None) -> RunResult:
+def _run(program: Program, limits: SandboxLimits, workdir: str | None, uid: int | None) -> RunResult:
     start = time.monotonic()
     out, err, status, verdict = (_Capped(limits.output_bytes), _Capped(limits.output_bytes), _Capped(4096),
                                  _Frames(64 * len(program.cases) + (1 << 20)))
     request_r, request_w = os.pipe()
     reply_r, reply_w = os.pipe()
     status_r, status_w = os.pipe()
-    setup = {"uid": uid, "limits": asdict(limits), "request_fd": request_r, "reply_fd": reply_w, "status_fd": status_w,
-             "max_message": 1 << 30, "tmp_mb": 4 * limits.file_size_mb, "namespaces": limits.namespaces,
-             "hide": hidden_paths(limits.hidden_paths), "keep": [os.path.realpath(sys.base_prefix)]}
+    setup = {"limits": asdict(limits), "request_fd": request_r, "reply_fd": reply_w, "status_fd": status_w,
+             "max_message": 1 << 30, "tmp_mb": 4 * limits.file_size_mb}  # argv: nothing secret in it
     judge = _judges.acquire()
     try:
-        proc = _spawn(setup, workdir, (request_r, reply_w, status_w))
+        proc = _spawn(setup, limits.mode, workdir, uid, (request_r, reply_w, status_w))
     except BaseException:
         _judges.release(judge)
         for fd in (request_w, reply_r, status_r):
@@ -344,7 +277,7 @@ def _run(program: Program, limits: SandboxLimits, workdir: str, uid: int | None)
         finally:
             returncode = proc.poll()
             facts = _status(_drain_status(sel, status_r, status))
-            _kill(proc, facts, uid)
+            _kill(proc)
             if pidfd is not None:
                 os.close(pidfd)
             sel.unregister(judge.sock)
@@ -361,13 +294,13 @@ def _run(program: Program, limits: SandboxLimits, workdir: str, uid: int | None)
         cases = [CaseResult(False, error)] * len(program.cases)
         kinds = ["timeout" if error == "timeout" else ""] * len(program.cases)
     else:
-        reason = _exit_reason(returncode)
+        reason = _exit_reason(_signalled(returncode) if limits.mode == "bwrap" else returncode)
         cases = [CaseResult(bool(ok), None if ok else (reason if kind == "crashed" else error))
                  for ok, error, kind in message["cases"]]
         kinds = [kind for _, _, kind in message["cases"]]
     return RunResult(cases=cases, timed_out="timeout" in kinds, crashed="crashed" in kinds,
                      stdout=out.data.decode("utf-8", "replace"), stderr=err.data.decode("utf-8", "replace"),
-                     duration_s=time.monotonic() - start, isolation=facts.get("isolation", ""))
+                     duration_s=time.monotonic() - start, isolation=limits.mode)
 
 
 def _drain_status(sel: selectors.BaseSelector, status_r: int, sink: _Capped) -> bytes:
@@ -386,20 +319,18 @@ def _drain_status(sel: selectors.BaseSelector, status_r: int, sink: _Capped) -> 
     return bytes(sink.data)
 
 
-def _kill(proc: subprocess.Popen, facts: dict, uid: int | None) -> None:
-    """Nothing of the candidate survives. In a PID namespace, killing its PID 1 kills all of it."""
-    if facts.get("isolation") == "namespaces" and "pid" in facts and proc.poll() is None:
-        try:  # still unreaped by its waiter (which is alive): the pid cannot name another process
-            os.kill(int(facts["pid"]), signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+def _kill(proc: subprocess.Popen) -> None:
+    """SIGKILL the candidate's process group. With bwrap, that is the sandbox's bwrap process; its PID 1
+    inside dies with it (--die-with-parent), and with PID 1 every process of the namespace."""
     try:
-        os.killpg(proc.pid, signal.SIGKILL)  # the runner's group, before reaping it
+        os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
-    if uid is not None and facts.get("isolation") != "namespaces":
-        _kill_uid(uid)
-        _remove_files_of(uid)
+
+
+def _signalled(returncode: int | None) -> int | None:
+    """bwrap exits 128+n when its child was killed by signal n: say which signal."""
+    return 128 - returncode if returncode is not None and 128 < returncode < 160 else returncode
 
 
 def _function_names(code: str, entry_point: str) -> list[str]:
@@ -416,14 +347,19 @@ def _function_names(code: str, entry_point: str) -> list[str]:
 
 def run_program(program: Program, limits: SandboxLimits = SandboxLimits()) -> RunResult:
     """Runs `program` in a confined child process and has a judge process score each of its cases."""
-    workdir = tempfile.mkdtemp(prefix="magrpo-sandbox-")
-    uid = _acquire_uid() if os.geteuid() == 0 else None
+    if limits.mode not in MODES:
+        raise ValueError(f"sandbox mode {limits.mode!r}; choose one of: {', '.join(MODES)}")
+    if limits.mode == "bwrap":  # as root, each sandbox under a uid of its own: RLIMIT_NPROC then holds
+        workdir, uid = None, isolation.acquire_uid() if os.geteuid() == 0 else None
+    else:
+        workdir, uid = tempfile.mkdtemp(prefix="magrpo-sandbox-"), None
     try:
         return _run(program, limits, workdir, uid)
     finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+        if workdir is not None:
+            shutil.rmtree(workdir, ignore_errors=True)
         if uid is not None:
-            _release_uid(uid)
+            isolation.release_uid(uid)
 
 
 def run_many(programs: Sequence[Program], limits: SandboxLimits = SandboxLimits(),
@@ -433,13 +369,15 @@ def run_many(programs: Sequence[Program], limits: SandboxLimits = SandboxLimits(
         return list(pool.map(lambda program: run_program(program, limits), programs))
 
 
-def main() -> None:  # python -m magrpo.envs.code.sandbox [N]: sandbox runs per second
+def main() -> None:  # python -m envs.code.sandbox [N] [bwrap|unsafe]: sandbox runs per second
     count = int(sys.argv[1]) if len(sys.argv) > 1 else 200
+    limits = SandboxLimits(mode=sys.argv[2] if len(sys.argv) > 2 else "bwrap")
+    isolation.check(limits.mode)
     cases = [f"assert candidate({i}, 1) == {i + 1}" for i in range(4)]
     add = Program("def add(a, b):\n    return a + b\n", "", cases, "add")
-    run_many([add] * (os.cpu_count() or 1))  # warm judges
+    run_many([add] * (os.cpu_count() or 1), limits)  # warm judges
     began = time.monotonic()
-    results = run_many([add] * count)
+    results = run_many([add] * count, limits)
     elapsed = time.monotonic() - began
     assert all(r.fraction == 1.0 for r in results), results[0]
     print(f"{len(results) / elapsed:.1f} sandbox runs/s ({os.cpu_count()} workers, 4 asserts each, "
