@@ -99,6 +99,15 @@ def test_refuses_to_run_as_root_when_the_uid_switch_fails(monkeypatch, tmp_path)
     assert not target.exists()
 
 
+def test_a_sandbox_that_cannot_start_is_the_trainers_fault_not_a_score_of_zero(monkeypatch):
+    """bwrap failing before the program exists (here a flag it does not know; on a machine, e.g. out of
+    user namespaces) raised nothing before: every case 'crashed' and the program scored as wrong."""
+    command = isolation.bwrap_command
+    monkeypatch.setattr(isolation, "bwrap_command", lambda *a, **k: [*command(*a, **k)[:-1], "--no-such-flag", "--"])
+    with pytest.raises(RuntimeError, match="sandbox setup failed, nothing was run: bwrap: Unknown option"):
+        run_program(prog("def f(x):\n    return x + 1\n"), FAST)
+
+
 def test_run_many_keeps_order_and_runs_in_parallel():
     sleepy = "import time\ndef f(x):\n    time.sleep(1)\n    return x + {}\n"
     programs = [prog(sleepy.format(i), [f"assert candidate(1) == {1 + i}"]) for i in range(4)]

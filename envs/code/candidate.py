@@ -41,6 +41,7 @@ def _say(status_fd: int, facts: dict) -> None:
 
 def confine(setup: dict) -> None:
     _set_limits(setup["limits"])
+    _say(setup["status_fd"], {"ready": True})  # the sandbox started: a later failure is the program's
     os.close(setup["status_fd"])
 
 

@@ -289,6 +289,10 @@ def _run(program: Program, limits: SandboxLimits, workdir: str | None, uid: int 
                 judge.kill()
     if "setup_error" in facts:
         raise RuntimeError(f"sandbox setup failed, nothing was run: {facts['setup_error']}")
+    if "ready" not in facts and returncode is not None and err.data.startswith(b"bwrap:"):
+        # bwrap itself failed (e.g. out of user namespaces): the machine's fault, never a score of 0
+        reason = err.data.decode("utf-8", "replace").splitlines()[0]
+        raise RuntimeError(f"sandbox setup failed, nothing was run: {reason}")
     if not judge_ok:  # no verdict in time (or a judge that failed: its message says why)
         error = str(message["error"]) if message is not None and "error" in message else "timeout"
         cases = [CaseResult(False, error)] * len(program.cases)
