@@ -53,8 +53,9 @@ def launch_costs(launches: int) -> None:
         for label, argv in argvs.items():
             sandboxed = argv[0] == isolation.bwrap()[0]
             uid = isolation.acquire_uid() if os.geteuid() == 0 and sandboxed else None
+            command, keywords = isolation.as_user(uid, argv)
             began = time.perf_counter()
-            subprocess.run(argv, check=True, stdin=subprocess.DEVNULL, **isolation.run_as(uid))
+            subprocess.run(command, check=True, stdin=subprocess.DEVNULL, **keywords)
             times[label].append((time.perf_counter() - began) * 1000)
             if uid is not None:
                 isolation.release_uid(uid)

@@ -213,9 +213,10 @@ def _spawn(setup: dict, mode: str, workdir: str | None, uid: int | None, fds: tu
     else:
         argv = [sys.executable, *boot, isolation.candidate_lib(mode), repr(setup)]
         cwd, env = workdir, {**ENV, "HOME": workdir, "TMPDIR": workdir}
+    argv, keywords = isolation.as_user(uid, argv)
     return subprocess.Popen(
         argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        pass_fds=fds, start_new_session=True, **isolation.run_as(uid))
+        pass_fds=fds, start_new_session=True, **keywords)
 
 
 def _status(data: bytes) -> dict:
