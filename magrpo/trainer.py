@@ -4,6 +4,7 @@ from __future__ import annotations
 import random
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import asdict
 from functools import partial
 from pathlib import Path
@@ -11,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import checkpoint
+from . import checkpoint, run_lock
 from .advantage import AdvantageSettings, assign_advantages
 from .backends import make_backend
 from .config import TrainConfig, check_finite
@@ -117,14 +118,32 @@ def train(cfg: TrainConfig, env: Environment | None = None, feedback: FeedbackTa
     env, feedback = prepare(cfg, env, feedback)
     world = world_from_env(cfg.model.device, cfg.trainer.dist_timeout_min)
     try:
-        return _train(cfg, env, feedback, world)
+        with owned_run_dir(cfg, world) as run_dir:
+            return _train(cfg, env, feedback, world, run_dir)
     finally:
         world.close()
 
 
-def _train(cfg: TrainConfig, env: Environment, feedback: Feedback, world: World) -> Path:
+@contextmanager
+def owned_run_dir(cfg: TrainConfig, world: World):
+    """The run dir (made when new), locked by rank 0 for the whole run: a second writer stops here, before
+    any model loads, with one line naming the holder. Every rank gets its path."""
+    held: list[run_lock.RunLock] = []
+
+    def take() -> str:
+        held.append(run_lock.acquire(make_run_dir(cfg.logging.run_dir, cfg.env["name"])))
+        return str(held[0].dir)
+
+    try:
+        yield Path(checkpoint.on_main(world, take))
+    finally:
+        for lock in held:
+            lock.release()
+
+
+def _train(cfg: TrainConfig, env: Environment, feedback: Feedback, world: World, run_dir: Path) -> Path:
     """The loop of the README: collect -> advantages -> update -> log -> eval / checkpoint."""
-    run = Run(cfg, env, feedback, world)
+    run = Run(cfg, env, feedback, world, run_dir)
     trainer = cfg.trainer
     with run:
         if cfg.eval.at_start and run.first_step == 1:
@@ -153,9 +172,9 @@ class Run:
     after the resume decision; a context manager that closes what it opened (and keeps the
     traceback of an error in the run dir)."""
 
-    def __init__(self, cfg: TrainConfig, env: Environment, feedback: Feedback, world: World):
+    def __init__(self, cfg: TrainConfig, env: Environment, feedback: Feedback, world: World, run_dir: Path):
         # Before any model loads: a resume that does not match its run stops here (rank 0 decides).
-        chosen = checkpoint.on_main(world, lambda: checkpoint.choose(cfg.resume, cfg.logging.run_dir, asdict(cfg)))
+        chosen = checkpoint.on_main(world, lambda: checkpoint.choose(cfg.resume, str(run_dir), asdict(cfg)))
         seed_everything(cfg.trainer.seed)  # the same on every rank: identical initial adapters
         from .models import load_agents, model_dtype
 
@@ -164,8 +183,7 @@ class Run:
         self.agents = load_agents(cfg, env.num_agents)
         self.backend = make_backend(cfg, self.agents)
         self.updaters = [AgentUpdater(a, trainer.lr, trainer.weight_decay, trainer.warmup_steps) for a in self.agents]
-        run_dir = make_run_dir(cfg.logging.run_dir, cfg.env["name"]) if world.is_main else None
-        self.dir = Path(world.broadcast(str(run_dir) if run_dir else None))
+        self.dir = run_dir
         # The same problem order on every rank; each takes its shard of every batch.
         self.sampler = ProblemSampler(env.problems("train"), trainer.seed)
         state = checkpoint.resume(chosen, world, self.agents, self.updaters, self.sampler, env)

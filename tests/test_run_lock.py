@@ -1,0 +1,56 @@
+"""One writer per run dir: a second run (or a `resume=auto` while the first is live) stops before
+loading anything, naming the holder; a lock left by a dead process is taken over."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from magrpo.errors import ConfigError
+from magrpo.run_lock import LOCK, acquire
+
+
+def test_a_second_writer_is_refused_with_the_holders_pid_and_host(tmp_path):
+    first = acquire(tmp_path)
+    with pytest.raises(ConfigError) as e:
+        acquire(tmp_path)
+    first.release()
+    assert e.value.key == "logging.run_dir" and "\n" not in str(e.value)
+    assert f"in use by another run (pid {os.getpid()} on host {socket.gethostname()}, since " in str(e.value)
+    assert not (tmp_path / LOCK).exists()  # released: the file goes with it
+    acquire(tmp_path).release()
+
+
+def test_a_lock_left_by_a_killed_process_is_taken_over(tmp_path):
+    """kill -9 leaves run.lock with the dead holder's record; the kernel dropped its flock."""
+    holder = subprocess.run([sys.executable, "-c", "import sys; from magrpo.run_lock import acquire; "
+                             "acquire(__import__('pathlib').Path(sys.argv[1])); import os; os._exit(0)",
+                             str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert holder.returncode == 0, holder.stderr
+    dead = json.loads((tmp_path / LOCK).read_text())["pid"]
+    lock = acquire(tmp_path)
+    assert json.loads((tmp_path / LOCK).read_text())["pid"] == os.getpid() != dead
+    lock.release()
+
+
+@pytest.mark.parametrize("resume", [[], ["resume=auto"]])
+def test_a_run_on_a_live_run_dir_stops_before_loading_a_model(run_cli, tmp_path, resume):
+    """Two runs on one dir used to both finish with exit 0, their files mixed (config and metrics of
+    one, checkpoints of the other). run_cli fails the test if a model loads."""
+    from tests.conftest import SMALL
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    live = acquire(run_dir)
+    try:
+        code, err = run_cli(*SMALL, f"logging.run_dir={run_dir}", *resume)
+        assert os.listdir(run_dir) == [LOCK]  # nothing written by the refused run
+    finally:
+        live.release()
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith(f"config error: logging.run_dir: {run_dir} is in use by another run (pid {os.getpid()} "
+                             f"on host {socket.gethostname()}, since ")
