@@ -36,6 +36,15 @@ class TrainingError(MagrpoError, RuntimeError):
     """Training cannot go on (NaN/inf steps in a row, out of memory twice); the last checkpoint is intact."""
 
 
+class Stopped(MagrpoError):
+    """A stop signal ended the run after a clean checkpoint. It exits 128 + the signal's number, as a
+    shell reports a process that signal ended: a scheduler must not read an unfinished run as done."""
+
+    def __init__(self, signum: int, message: str):
+        super().__init__(message)
+        self.exit_code = 128 + signum
+
+
 class EnvError(MagrpoError, RuntimeError):
     """An env method raised (the message names the method)."""
 

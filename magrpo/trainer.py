@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import random
+import signal
 import sys
 import time
 from contextlib import contextmanager
@@ -19,7 +20,7 @@ from .config import TrainConfig, check_finite
 from .console import StopSignals, progress_bar, startup_line, summary_line
 from .distributed import World, world_from_env
 from .env import Environment, call_env, make_env
-from .errors import ConfigError, TrainingError, log_traceback
+from .errors import ConfigError, Stopped, TrainingError, log_traceback
 from .evaluation import evaluate
 from .feedback import Feedback, FeedbackTarget, mode_for
 from .generation import SamplingParams
@@ -159,8 +160,7 @@ def _train(cfg: TrainConfig, env: Environment, feedback: Feedback, world: World,
             if run.checkpoint_due(step) or stopping:
                 run.save_checkpoint(step)
             if stopping:
-                run.announce_stop(step)
-                return run.dir
+                raise run.stopped(step)
         run.save_adapters()
     if world.is_main:
         print(f"magrpo: done; adapters in {run.dir / 'adapters'}", file=sys.stderr)
@@ -215,7 +215,8 @@ class Run:
 
     def __exit__(self, kind, error, tb) -> None:
         try:
-            if isinstance(error, Exception):  # the console gets one line (cli.py), the run dir the traceback
+            # the console gets one line (cli.py), the run dir the traceback; a stop by signal is no error to trace
+            if isinstance(error, Exception) and not isinstance(error, Stopped):
                 log = log_traceback(self.dir, error) if self.world.is_main else None
                 if log is not None:
                     error.add_note(f"traceback in {log}")
@@ -343,11 +344,12 @@ class Run:
                 self.dir, step, self.agents, self.updaters, state, asdict(self.cfg), self.cfg.checkpoint.keep
             )
 
-    def announce_stop(self, step: int) -> None:
-        if self.world.is_main:
-            name = self.stop.signal.name if self.stop.signal else "a signal to another process"
-            print(f"\nmagrpo: stopped by {name} after step {step}; checkpoint written, continue "
-                  f"with resume=auto logging.run_dir={self.dir}", file=sys.stderr)
+    def stopped(self, step: int) -> Stopped:
+        """The error that ends a stopped run, on every rank with the same signal (the one any rank got)."""
+        got = self.world.gather(int(self.stop.signal or 0))
+        sig = signal.Signals(self.world.broadcast(max(got) if got else None))
+        return Stopped(sig, f"{sig.name} after step {step}; checkpoint written, continue with resume=auto "
+                            f"logging.run_dir={self.dir}")
 
     def save_adapters(self) -> None:
         if self.world.is_main:
