@@ -65,7 +65,7 @@ def expand(on_error):
 
 
 def test_raising_env_is_named_with_the_joint_action():
-    with pytest.raises(RewardError, match=r"env FakeEnv \(tests\.fakes\.FakeEnv\.score\) failed on joint action 1 "
+    with pytest.raises(RewardError, match=r"env FakeEnv \(tests\.fakes\.FakeEnv\.rewards\) failed on joint action 1 "
                                           r"of turn 0 \(problem 'P0'.*ZeroDivisionError: the grader divided by zero; "
                                           r"set reward.on_error=zero"):
         expand("raise")
