@@ -23,6 +23,7 @@ import os
 import random
 import shutil
 import sys
+import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -32,7 +33,7 @@ import torch
 
 from .config import TrainConfig, flatten, under
 from .errors import ConfigError, describe
-from .run_io import LOGS, repair_log, set_aside_logs
+from .run_io import LOGS, aside_path, repair_log, set_aside_logs, step_ranges
 
 PREFIX = "step_"
 TMP_PREFIX = ".tmp-"
@@ -115,21 +116,30 @@ def _prune(folder: Path, keep: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def candidates(run_dir: Path) -> list[Path]:
-    """Complete checkpoints of a run, newest first."""
+def steps_in(run_dir: Path) -> list[Path]:
+    """Every checkpoints/step_NNNNNN entry, complete or not, a folder or not, newest first."""
     folder = run_dir / "checkpoints"
-    return sorted((p for p in folder.glob(f"{PREFIX}*") if (p / "COMPLETE").is_file()), reverse=True) \
+    return sorted((p for p in folder.glob(f"{PREFIX}*") if p.name[len(PREFIX):].isdigit()), reverse=True) \
         if folder.is_dir() else []
 
 
+def candidates(run_dir: Path) -> list[Path]:
+    """Complete checkpoints of a run, newest first."""
+    return [p for p in steps_in(run_dir) if (p / "COMPLETE").is_file()]
+
+
 def holds_checkpoints(run_dir: Path) -> bool:
-    """Any step_* folder, complete or not: the run dir belongs to a run that got that far."""
-    return any((run_dir / "checkpoints").glob(f"{PREFIX}*"))
+    """Any step_* entry, complete or not: the run dir belongs to a run that got that far."""
+    return bool(steps_in(run_dir))
 
 
 def verify(path: Path) -> dict[str, Any]:
     """The COMPLETE manifest, after checking every file against its sha256; raises Unreadable.
     A checkpoint written before checksums existed is returned unverified, with a warning."""
+    if not path.is_dir():
+        raise Unreadable("not a folder")
+    if not (path / "COMPLETE").is_file():
+        raise Unreadable("no COMPLETE marker (it is written last: the write did not finish, or it was deleted)")
     try:
         manifest = json.loads((path / "COMPLETE").read_text())
     except (OSError, ValueError) as e:
@@ -240,7 +250,7 @@ def choose(setting: str | None, run_dir: str | None, config: dict[str, Any]) -> 
             raise ConfigError("resume", f"checkpoint {setting} is unreadable ({e}); give another checkpoint "
                                         f"folder or resume=auto; nothing was changed") from None
         return Path(setting)
-    for path in candidates(Path(run_dir)):
+    for path in steps_in(Path(run_dir)):  # incomplete ones too: each skip is said
         try:
             matches(path, config)
         except Unreadable as e:
@@ -335,15 +345,35 @@ def remove_stale_tmp(run_dir: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def claim_run_dir(run_dir: Path, step: int | None) -> None:
+def move_aside_strays(run_dir: Path) -> None:
+    """A file (or link) where a step_NNNNNN folder belongs would stop the save of that step: renamed."""
+    for path in steps_in(run_dir):
+        if not path.is_dir():
+            aside = aside_path(path, time.strftime("%Y%m%d-%H%M%S"))
+            os.replace(path, aside)
+            print(f"magrpo: {path} is not a checkpoint folder: renamed to {aside.name}", file=sys.stderr)
+
+
+def claim_run_dir(run_dir: Path, step: int | None, complete_logs: Sequence[str] = LOGS) -> None:
     """Rank 0, once the resume decision is made: drop dead temp folders, and make the logs read as if
-    the run had never stopped (resumed at `step`) or set an unfinished run's logs aside (None)."""
+    the run had never stopped (resumed at `step`) or set an unfinished run's logs aside (None). Says
+    which logged steps were dropped (after the checkpoint) and which of `complete_logs` (the logs
+    that hold every step) are missing."""
     remove_stale_tmp(run_dir)
+    move_aside_strays(run_dir)
     if step is None:
         set_aside_logs(run_dir)
         return
-    for name in LOGS:  # what the interrupted run wrote after its checkpoint
-        repair_log(run_dir / name, step)
+    for name in LOGS:
+        kept, dropped = repair_log(run_dir / name, step)
+        if dropped:
+            print(f"magrpo: {name}: step(s) {step_ranges(dropped)} were logged after checkpoint step {step}: "
+                  f"dropped, the resumed run logs them again", file=sys.stderr)
+        missing = set(range(1, step + 1)) - kept
+        if name in complete_logs and missing:
+            gone = "the file is gone" if not (run_dir / name).is_file() else "deleted or moved from the file"
+            print(f"magrpo: {name}: step(s) {step_ranges(missing)} are missing ({gone}); the resumed run logs "
+                  f"from step {step + 1} on", file=sys.stderr)
 
 
 def resume(chosen: Path | None, world: Any, agents: Sequence[Any], updaters: Sequence[Any], sampler: Any,

@@ -28,7 +28,7 @@ from .guards import BadSteps, Halvable, oom_retry
 from .loss import kept_completions
 from .metrics import Counter, Maximum, reduce_over_ranks
 from .rollout import Rollout, TreeSettings, expand_trees, merge_rollouts, portable
-from .run_io import NullWriter, RunWriter, make_run_dir, tree_records
+from .run_io import LOGS, NullWriter, RunWriter, make_run_dir, tree_records
 from .sampling import stream_key
 from .tree import count_leaves
 from .update import AgentUpdater, TrainSample, UpdateSettings
@@ -191,7 +191,11 @@ class Run:
             self.backend.sync_weights()
         self.first_step, self.env_step = (state["step"] + 1, state["env_step"]) if state else (1, 0)
         if world.is_main:  # only now, with a matching checkpoint loaded (or none to match), is the run dir touched
-            checkpoint.claim_run_dir(self.dir, state["step"] if state else None)
+            checkpoint.claim_run_dir(self.dir, state["step"] if state else None,
+                                     LOGS if cfg.logging.rollouts else LOGS[:1])
+            if state and state["step"] >= trainer.steps:
+                print(f"magrpo: the checkpoint is at step {state['step']}, trainer.steps={trainer.steps}: no step "
+                      f"left to train; raise trainer.steps to go on", file=sys.stderr)
         self.writer = RunWriter(self.dir, asdict(cfg), cfg.logging.wandb) if world.is_main else NullWriter()
         self.eval_problems = env.problems("eval")[: cfg.eval.max_problems or None] if evaluates(cfg) else []
         self.tree = TreeSettings.of(cfg)
