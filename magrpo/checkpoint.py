@@ -32,8 +32,8 @@ import numpy as np
 import torch
 
 from .config import TrainConfig, flatten, under
-from .errors import ConfigError, describe
-from .run_io import LOGS, aside_path, repair_log, set_aside_logs, step_ranges
+from .errors import ConfigError, TrainingError, describe
+from .run_io import LOGS, RESUME_HINT, aside_path, repair_log, set_aside_logs, step_ranges, writing
 
 PREFIX = "step_"
 TMP_PREFIX = ".tmp-"
@@ -76,10 +76,52 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 def save(run_dir: Path, step: int, agents: Sequence[Any], updaters: Sequence[Any], trainer_state: dict[str, Any],
          config: dict[str, Any], keep: int) -> Path:
+    """Write checkpoint `step` atomically, then prune to `keep`. A failed write (a full disk) is one
+    TrainingError line; its temp folder is removed and the previous checkpoint stays as it was."""
     final = folder_of(run_dir, step)
     tmp = final.parent / f"{TMP_PREFIX}{final.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    previous = candidates(run_dir)
+    after = (f"the checkpoint of step {_step_of(previous[0])} is intact: " if previous else "") + RESUME_HINT
+    make_room(previous, step, keep, run_dir, after)
+    with writing(final, after, partial=tmp):
+        tmp.mkdir(parents=True)
+        _write(tmp, step, agents, updaters, trainer_state, config)
+    shutil.rmtree(final, ignore_errors=True)  # a checkpoint of the same step from an earlier attempt
+    os.replace(tmp, final)
+    _prune(final.parent, keep)
+    return final
+
+
+def _step_of(path: Path) -> int:
+    return int(path.name[len(PREFIX):])
+
+
+def make_room(previous: list[Path], step: int, keep: int, folder: Path, after: str) -> None:
+    """Before writing: the newest checkpoint's size against the free space. When short, remove first
+    the checkpoints this save would prune anyway, never the newest (a failed write leaves it to
+    resume from); still short, stop before writing anything."""
+    if not previous:
+        return
+    need, free = _size(previous[0]), shutil.disk_usage(folder).free
+    prunable = previous[max(keep - 1, 1):]  # newest first: what is beyond the keep - 1 kept besides the new one
+    while free < need and prunable:
+        old = prunable.pop()
+        free += _size(old)
+        shutil.rmtree(old, ignore_errors=True)
+        print(f"magrpo: removed {old} before writing step {step}'s checkpoint to make room (checkpoint.keep={keep})",
+              file=sys.stderr)
+    if free < need:
+        raise TrainingError(f"not enough space for checkpoint step {step} in {folder}: {free / 2**20:.1f} MiB free, "
+                            f"the last checkpoint takes {need / 2**20:.1f} MiB; {after}")
+
+
+def _size(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def _write(tmp: Path, step: int, agents: Sequence[Any], updaters: Sequence[Any], trainer_state: dict[str, Any],
+           config: dict[str, Any]) -> None:
     for agent, updater in zip(agents, updaters):
         folder = agent.save(tmp)
         torch.save({
@@ -90,10 +132,6 @@ def save(run_dir: Path, step: int, agents: Sequence[Any], updaters: Sequence[Any
     torch.save(trainer_state, tmp / "trainer.pt")
     (tmp / "config.json").write_text(json.dumps(config, indent=2, default=str))
     (tmp / "COMPLETE").write_text(json.dumps({"step": step, "sha256": checksums(tmp)}, indent=1))
-    shutil.rmtree(final, ignore_errors=True)  # a checkpoint of the same step from an earlier attempt
-    os.replace(tmp, final)
-    _prune(final.parent, keep)
-    return final
 
 
 def checksums(folder: Path) -> dict[str, str]:

@@ -1,17 +1,59 @@
 """Run directory outputs: resolved config, metrics.jsonl, rollouts.jsonl, adapters, wandb."""
 from __future__ import annotations
 
+import errno
 import json
 import netrc
 import os
 import re
+import shutil
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 from .config import flatten
+from .errors import MagrpoError, TrainingError
 from .tree import Node
+
+# Less free than this right after a failed write: the disk was full, whatever error the writer raised.
+FULL_BYTES = 1 << 20
+
+
+def os_error_of(error: BaseException, folder: Path) -> str | None:
+    """The OS error behind a failed write, in words (None: it was no OS error, e.g. a bug). torch and
+    safetensors wrap a full disk in their own errors (`[enforce fail at inline_container.cc:672]`),
+    so a disk found full right after the failure says so."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno:
+            return f"[Errno {seen.errno}] {os.strerror(seen.errno)}"
+        seen = seen.__cause__ or seen.__context__
+    try:
+        full = shutil.disk_usage(folder).free < FULL_BYTES
+    except OSError:
+        return None
+    return f"[Errno {errno.ENOSPC}] {os.strerror(errno.ENOSPC)}" if full else None
+
+
+@contextmanager
+def writing(path: Path, after: str, partial: Path | None = None) -> Iterator[None]:
+    """A write to `path`: an OS failure (a full disk above all) becomes one TrainingError line naming
+    the path and the OS error, then `after`; `partial` (what the write was building) is removed first,
+    so nothing half-written is left filling the disk."""
+    try:
+        yield
+    except Exception as e:
+        reason = None if isinstance(e, MagrpoError) else os_error_of(e, path.parent)  # before the clean-up frees space
+        if partial is not None:
+            shutil.rmtree(partial, ignore_errors=True) if partial.is_dir() else partial.unlink(missing_ok=True)
+        if reason is None:
+            raise
+        raise TrainingError(f"cannot write {path}: {reason}; {after}") from e
+
+
+RESUME_HINT = "free space, then resume=auto continues from the last complete checkpoint"
 
 
 def make_run_dir(run_dir: str | None, env_name: str) -> Path:
@@ -32,7 +74,7 @@ def repair_log(path: Path, last_step: int) -> tuple[set[int], set[int]]:
     if not path.is_file():
         return kept, dropped
     tmp = path.with_name(path.name + ".tmp")
-    with open(path, "rb") as log, open(tmp, "wb") as out:
+    with writing(path, "free space, then resume again", partial=tmp), open(path, "rb") as log, open(tmp, "wb") as out:
         for number, line in enumerate(log, 1):
             step = _step_of(line)
             if step is None:
@@ -108,7 +150,8 @@ def write_config(run_dir: Path, config: Mapping[str, Any]) -> None:
         os.replace(path, aside)
         print(f"magrpo: {path} kept as {aside.name}: this start's config differs in {changed}", file=sys.stderr)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
+    with writing(path, "free space, then resume again", partial=tmp):
+        tmp.write_text(text)
     os.replace(tmp, path)
 
 
@@ -243,15 +286,17 @@ class RunWriter:
             self.wandb.define_metric("eval/*", step_metric="step", summary="max")
 
     def log_metrics(self, step: int, metrics: Mapping[str, float]) -> None:
-        self.metrics.write(json.dumps({"step": step, **metrics}) + "\n")
-        self.metrics.flush()
+        with writing(self.path / "metrics.jsonl", RESUME_HINT):  # a torn line is set aside on resume
+            self.metrics.write(json.dumps({"step": step, **metrics}) + "\n")
+            self.metrics.flush()
         if self.wandb is not None:
             self.wandb.log({"step": step, **metrics}, step=step)
 
     def log_trees(self, records: list[dict]) -> None:
-        for record in records:
-            self.rollouts.write(json.dumps(record, default=str) + "\n")
-        self.rollouts.flush()
+        with writing(self.path / "rollouts.jsonl", RESUME_HINT):
+            for record in records:
+                self.rollouts.write(json.dumps(record, default=str) + "\n")
+            self.rollouts.flush()
 
     def log_samples(self, step: int, records: list[dict]) -> None:
         """Sample rollouts for wandb: a Table of every tree's joint actions and the first tree's page."""
@@ -277,7 +322,10 @@ class RunWriter:
         self.wandb.log_artifact(artifact)
 
     def close(self) -> None:
-        self.metrics.close()
-        self.rollouts.close()
+        for log in (self.metrics, self.rollouts):
+            try:
+                log.close()
+            except OSError:  # every line was flushed as written: a failed one was already reported
+                pass
         if self.wandb is not None:
             self.wandb.finish()

@@ -28,7 +28,7 @@ from .guards import BadSteps, Halvable, oom_retry
 from .loss import kept_completions
 from .metrics import Counter, Maximum, reduce_over_ranks
 from .rollout import Rollout, TreeSettings, expand_trees, merge_rollouts, portable
-from .run_io import LOGS, NullWriter, RunWriter, make_run_dir, tree_records
+from .run_io import LOGS, RESUME_HINT, NullWriter, RunWriter, make_run_dir, tree_records, writing
 from .sampling import stream_key
 from .tree import count_leaves
 from .update import AgentUpdater, TrainSample, UpdateSettings
@@ -342,11 +342,10 @@ class Run:
 
     def save_checkpoint(self, step: int) -> None:
         ranks = self.world.gather({"rng": checkpoint.rng_state(), "env": self.env.state()})
-        if self.world.is_main:
-            state = {"step": step, "env_step": self.env_step, "sampler": self.sampler.state(), "ranks": ranks}
-            checkpoint.save(
-                self.dir, step, self.agents, self.updaters, state, asdict(self.cfg), self.cfg.checkpoint.keep
-            )
+        state = {"step": step, "env_step": self.env_step, "sampler": self.sampler.state(), "ranks": ranks}
+        # Rank 0 writes; its failure (a full disk) stops every rank rather than leaving them waiting for it.
+        checkpoint.on_main(self.world, lambda: str(checkpoint.save(
+            self.dir, step, self.agents, self.updaters, state, asdict(self.cfg), self.cfg.checkpoint.keep)))
 
     def stopped(self, step: int) -> Stopped:
         """The error that ends a stopped run, on every rank with the same signal (the one any rank got)."""
@@ -357,8 +356,9 @@ class Run:
 
     def save_adapters(self) -> None:
         if self.world.is_main:
-            for agent in self.agents:
-                agent.save(self.dir / "adapters")
+            with writing(self.dir / "adapters", RESUME_HINT):
+                for agent in self.agents:
+                    agent.save(self.dir / "adapters")
             self.writer.log_adapters(self.dir / "adapters")
 
 
