@@ -27,7 +27,7 @@ from .generation import SamplingParams
 from .guards import BadSteps, Halvable, oom_retry
 from .loss import kept_completions
 from .metrics import Counter, Maximum, reduce_over_ranks
-from .rollout import Rollout, TreeSettings, expand_trees, merge_rollouts, portable
+from .rollout import Rollout, TreeSettings, expand_trees, merge_rollouts, portable, problem_name
 from .run_io import LOGS, RESUME_HINT, NullWriter, RunWriter, make_run_dir, tree_records, writing
 from .sampling import stream_key
 from .tree import count_leaves
@@ -79,12 +79,12 @@ def prepare(
         raise ConfigError(
             "agents", f"{len(cfg.agents)} entries for {env.num_agents} agent(s); give at most one per agent"
         )
-    _check_split(env, "train")
+    _check_split(env, "train", cfg.limits.max_problem_chars)
     if evaluates(cfg):
-        _check_split(env, "eval")
+        _check_split(env, "eval", cfg.limits.max_problem_chars)
     check_tree_size(cfg, env.num_agents)
     cfg.external.mode = mode_for(cfg.external.mode, env)  # config.json records the mode that ran, not `auto`
-    checked = Feedback(cfg.external, env, feedback)
+    checked = Feedback(cfg.external, env, feedback, max_prompt_chars=cfg.limits.max_prompt_chars)
     checked.check()
     return env, checked
 
@@ -93,10 +93,17 @@ def evaluates(cfg: TrainConfig) -> bool:
     return bool(cfg.eval.at_end or cfg.eval.every or cfg.eval.at_start)
 
 
-def _check_split(env: Environment, split: str) -> None:
+def _check_split(env: Environment, split: str, max_chars: int) -> None:
     """Load a split now (the env caches it): bad data is a start-up error, and an empty split would
-    leave nothing to sample."""
+    leave nothing to sample, a huge record take the machine's memory once encoded."""
     problems = call_env(env, "problems", split, where=f"loading the {split} split")
+    for i, problem in enumerate(problems if max_chars else []):
+        size = text_size(problem)
+        if size > max_chars:
+            raise ConfigError("limits.max_problem_chars", f"problem {i} of the {split} split "
+                                                          f"({problem_name(problem)[:40]!r}) holds {size:,} characters "
+                                                          f"of text, more than {max_chars:,}; fix the data, or raise "
+                                                          f"the limit (0 = none)")
     if not problems:
         key = env.split_keys.get(split, "env")
         value = getattr(env.cfg, key.partition(".")[2], None)
@@ -107,6 +114,17 @@ def _check_split(env: Environment, split: str) -> None:
         )
         what = f"{value!r} selects no {split} problems" if value is not None else f"the {split} split has no problems"
         raise ConfigError(key, f"{what}; give a split with at least one{hint}")
+
+
+def text_size(value) -> int:
+    """Characters in the strings of a problem record (nested lists and mappings included)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(text_size(k) + text_size(v) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return sum(text_size(v) for v in value)
+    return 0
 
 
 # Domains of the sampling streams: training rollouts and evaluation paths never share a stream.
