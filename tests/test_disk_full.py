@@ -148,3 +148,16 @@ def test_a_full_tmpfs_stops_with_one_line_and_the_run_dir_resumable(tmp_path, si
     assert steps == ([f"step_{intact:06d}"] if intact else [])  # no temp folder left
     if intact:
         checkpoint.verify(tmp_path / "run" / "checkpoints" / steps[0])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="no unshare command to make a mount namespace")
+def test_on_a_tight_tmpfs_the_checkpoint_to_prune_goes_first_and_the_run_finishes(tmp_path):
+    """8 MB holds two checkpoints (about 2.9 MB each) and the logs but not a third: with keep=2 the
+    oldest, pruned after the write before, now goes first. Before, step 3's write failed."""
+    code, err = in_tmpfs("8m", tmp_path, "checkpoint.keep=2")
+    assert code == 0, err
+    mount = tmp_path / "mnt"
+    assert f"magrpo: removed {mount}/run/checkpoints/step_000001 before writing step 3's checkpoint to make room " \
+           f"(checkpoint.keep=2)" in err
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step_000002", "step_000003"]

@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -54,3 +55,28 @@ def test_a_run_on_a_live_run_dir_stops_before_loading_a_model(run_cli, tmp_path,
     assert code == 2 and len(err) == 1, err
     assert err[0].startswith(f"config error: logging.run_dir: {run_dir} is in use by another run (pid {os.getpid()} "
                              f"on host {socket.gethostname()}, since ")
+
+
+@pytest.mark.slow
+def test_a_resume_started_while_the_run_is_live_stops_and_the_run_finishes_alone(tmp_path):
+    """The audit's case: a `resume=auto` on a live run dir used to run too, both exiting 0 with their
+    files mixed. Now it stops with one line naming the live run; the live run finishes unmixed."""
+    from tests.conftest import ROOT, SMALL
+
+    run_dir = tmp_path / "run"
+    args = [sys.executable, "train.py", *SMALL, f"logging.run_dir={run_dir}", "trainer.steps=4", "checkpoint.every=1",
+            "generation.max_new_tokens=12"]
+    live = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        while not (run_dir / "metrics.jsonl").is_file():
+            assert live.poll() is None, live.communicate()[1]
+            time.sleep(0.1)
+        second = subprocess.run([*args, "resume=auto"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    finally:
+        _, err = live.communicate(timeout=300)
+    assert live.returncode == 0, err
+    assert second.returncode == 2 and second.stderr.strip().startswith(
+        f"config error: logging.run_dir: {run_dir} is in use by another run (pid {live.pid} on host "
+        f"{socket.gethostname()}, since "), second.stderr
+    assert [json.loads(line)["step"] for line in open(run_dir / "metrics.jsonl")] == [1, 2, 3, 4]
+    assert not list(run_dir.glob("*.before-*")) and not (run_dir / LOCK).exists()
