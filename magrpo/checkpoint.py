@@ -298,6 +298,7 @@ def choose(setting: str | None, run_dir: str | None, config: dict[str, Any]) -> 
     if holds:
         raise ConfigError("resume", f"no checkpoint under {Path(run_dir) / 'checkpoints'} can be read; nothing was "
                                     f"changed: restore one, or start a new run with another logging.run_dir")
+    print(f"magrpo: resume=auto: no checkpoint in {run_dir}; starting from step 1", file=sys.stderr)
     return None
 
 

@@ -401,3 +401,10 @@ def test_an_unchanged_config_json_is_left_alone(tmp_path):
     write_config(tmp_path, {"a": 1, "resume": "auto"})  # how a start began is no change
     write_config(tmp_path, {"a": 2, "resume": "auto"})
     assert sorted(p.name for p in tmp_path.iterdir())[0] == "config.json" and len(list(tmp_path.iterdir())) == 2
+
+
+def test_resume_auto_without_a_checkpoint_says_it_starts_from_step_1(tmp_path, capsys):
+    from magrpo.checkpoint import choose
+
+    assert choose("auto", str(tmp_path), {}) is None
+    assert capsys.readouterr().err == f"magrpo: resume=auto: no checkpoint in {tmp_path}; starting from step 1\n"
