@@ -27,12 +27,12 @@ from .generation import SamplingParams
 from .guards import BadSteps, Halvable, oom_retry
 from .loss import kept_completions
 from .metrics import Counter, Maximum, reduce_over_ranks
-from .rollout import Rollout, TreeSettings, expand_trees, merge_rollouts, portable, problem_name
+from .rollout import Rollout, TreeSettings, expand_trees, merge_rollouts, portable
 from .run_io import LOGS, RESUME_HINT, NullWriter, RunWriter, make_run_dir, tree_records, writing
 from .sampling import stream_key
 from .tree import count_leaves
 from .update import AgentUpdater, TrainSample, UpdateSettings
-from .validation import check_tree_size, step_size, validate
+from .validation import check_problem_sizes, check_tree_size, step_size, validate
 
 
 def seed_everything(seed: int) -> None:
@@ -97,13 +97,7 @@ def _check_split(env: Environment, split: str, max_chars: int) -> None:
     """Load a split now (the env caches it): bad data is a start-up error, and an empty split would
     leave nothing to sample, a huge record take the machine's memory once encoded."""
     problems = call_env(env, "problems", split, where=f"loading the {split} split")
-    for i, problem in enumerate(problems if max_chars else []):
-        size = text_size(problem)
-        if size > max_chars:
-            raise ConfigError("limits.max_problem_chars", f"problem {i} of the {split} split "
-                                                          f"({problem_name(problem)[:40]!r}) holds {size:,} characters "
-                                                          f"of text, more than {max_chars:,}; fix the data, or raise "
-                                                          f"the limit (0 = none)")
+    check_problem_sizes(problems, split, max_chars)
     if not problems:
         key = env.split_keys.get(split, "env")
         value = getattr(env.cfg, key.partition(".")[2], None)
@@ -114,17 +108,6 @@ def _check_split(env: Environment, split: str, max_chars: int) -> None:
         )
         what = f"{value!r} selects no {split} problems" if value is not None else f"the {split} split has no problems"
         raise ConfigError(key, f"{what}; give a split with at least one{hint}")
-
-
-def text_size(value) -> int:
-    """Characters in the strings of a problem record (nested lists and mappings included)."""
-    if isinstance(value, str):
-        return len(value)
-    if isinstance(value, dict):
-        return sum(text_size(k) + text_size(v) for k, v in value.items())
-    if isinstance(value, (list, tuple)):
-        return sum(text_size(v) for v in value)
-    return 0
 
 
 # Domains of the sampling streams: training rollouts and evaluation paths never share a stream.
