@@ -46,8 +46,10 @@ def writing(path: Path, after: str, partial: Path | None = None) -> Iterator[Non
         yield
     except Exception as e:
         reason = None if isinstance(e, MagrpoError) else os_error_of(e, path.parent)  # before the clean-up frees space
-        if partial is not None:
-            shutil.rmtree(partial, ignore_errors=True) if partial.is_dir() else partial.unlink(missing_ok=True)
+        if partial is not None and partial.is_dir():
+            shutil.rmtree(partial, ignore_errors=True)
+        elif partial is not None:
+            partial.unlink(missing_ok=True)
         if reason is None:
             raise
         raise TrainingError(f"cannot write {path}: {reason}; {after}") from e
