@@ -161,3 +161,25 @@ def test_on_a_tight_tmpfs_the_checkpoint_to_prune_goes_first_and_the_run_finishe
     assert f"magrpo: removed {mount}/run/checkpoints/step_000001 before writing step 3's checkpoint to make room " \
            f"(checkpoint.keep=2)" in err
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step_000002", "step_000003"]
+
+
+def test_an_error_log_that_cannot_be_written_is_not_left_empty(tmp_path, monkeypatch):
+    """The audit's full disk left an empty error.log next to its one unhelpful line."""
+    import magrpo.errors
+
+    class FullFile:
+        def __init__(self, path, mode):
+            open(path, mode).close()  # created, as open() does, then the disk is full
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def write(self, text):
+            raise FULL
+
+    monkeypatch.setattr(magrpo.errors, "open", FullFile, raising=False)
+    assert magrpo.errors.log_traceback(tmp_path, ValueError("x")) is None
+    assert not (tmp_path / "error.log").exists()
