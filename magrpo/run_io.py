@@ -58,10 +58,12 @@ def writing(path: Path, after: str, partial: Path | None = None) -> Iterator[Non
 RESUME_HINT = "free space, then resume=auto continues from the last complete checkpoint"
 
 
-def make_run_dir(run_dir: str | None, env_name: str) -> Path:
+def make_run_dir(run_dir: str | None, env_name: str) -> tuple[Path, bool]:
+    """The run dir, made when new; and whether this call made it."""
     path = Path(run_dir) if run_dir else Path("runs") / f"{env_name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    made = not path.exists()
     path.mkdir(parents=True, exist_ok=True)
-    return path
+    return path, made
 
 
 LOGS = ("metrics.jsonl", "rollouts.jsonl")

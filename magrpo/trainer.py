@@ -5,7 +5,7 @@ import random
 import signal
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import asdict
 from functools import partial
 from pathlib import Path
@@ -129,18 +129,25 @@ def train(cfg: TrainConfig, env: Environment | None = None, feedback: FeedbackTa
 @contextmanager
 def owned_run_dir(cfg: TrainConfig, world: World):
     """The run dir (made when new), locked by rank 0 for the whole run: a second writer stops here, before
-    any model loads, with one line naming the holder. Every rank gets its path."""
+    any model loads, with one line naming the holder. Every rank gets its path. A dir made here and
+    still empty at the end (the run stopped before writing anything) is removed."""
     held: list[run_lock.RunLock] = []
+    made: list[Path] = []
 
     def take() -> str:
-        held.append(run_lock.acquire(make_run_dir(cfg.logging.run_dir, cfg.env["name"])))
-        return str(held[0].dir)
+        path, new = make_run_dir(cfg.logging.run_dir, cfg.env["name"])
+        made.extend([path] if new else [])
+        held.append(run_lock.acquire(path))
+        return str(path)
 
     try:
         yield Path(checkpoint.on_main(world, take))
     finally:
         for lock in held:
             lock.release()
+        for path in made:
+            with suppress(OSError):  # not empty: the run wrote something
+                path.rmdir()
 
 
 def _train(cfg: TrainConfig, env: Environment, feedback: Feedback, world: World, run_dir: Path) -> Path:

@@ -57,6 +57,19 @@ def test_a_run_on_a_live_run_dir_stops_before_loading_a_model(run_cli, tmp_path,
                              f"on host {socket.gethostname()}, since ")
 
 
+def test_a_run_dir_made_for_a_run_that_stops_before_writing_is_removed(run_cli, tmp_path):
+    """The run dir is made (and locked) before the resume decision; a refusal there leaves no empty dir."""
+    from tests.conftest import SMALL
+
+    torn = tmp_path / "step_000001"  # a checkpoint whose trainer.pt is gone
+    torn.mkdir()
+    (torn / "COMPLETE").write_text(json.dumps({"step": 1, "sha256": {"trainer.pt": "0"}}))
+    code, err = run_cli(*SMALL, f"logging.run_dir={tmp_path / 'new'}", f"resume={torn}")
+    assert code == 2 and err == [f"config error: resume: checkpoint {torn} is unreadable (trainer.pt is missing); give "
+                                 f"another checkpoint folder or resume=auto; nothing was changed"], err
+    assert not (tmp_path / "new").exists()
+
+
 @pytest.mark.slow
 def test_a_resume_started_while_the_run_is_live_stops_and_the_run_finishes_alone(tmp_path):
     """The audit's case: a `resume=auto` on a live run dir used to run too, both exiting 0 with their
