@@ -23,6 +23,7 @@ import os
 import random
 import shutil
 import sys
+import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -31,8 +32,8 @@ import numpy as np
 import torch
 
 from .config import TrainConfig, flatten, under
-from .errors import ConfigError, describe
-from .run_io import LOGS, repair_log, set_aside_logs
+from .errors import ConfigError, TrainingError, describe
+from .run_io import LOGS, RESUME_HINT, aside_path, repair_log, set_aside_logs, step_ranges, writing
 
 PREFIX = "step_"
 TMP_PREFIX = ".tmp-"
@@ -45,7 +46,7 @@ SAFE_TO_CHANGE = (
     "generation.max_batch_rows", "model.device", "vllm.gpu_memory_utilization", "vllm.enforce_eager",
     "vllm.sleep_mode", "vllm.kv_cache_gb", "external.max_concurrency", "external.expert.timeout_s",
     "external.expert.max_retries", "external.expert.backoff_s", "external.expert.cache",
-    "external.expert.api_key_env", "eval", "logging", "checkpoint", "resume", "resume_force",
+    "external.expert.api_key_env", "eval", "logging", "checkpoint", "limits", "resume", "resume_force",
     "plugins",  # code to import: what it registers shows in the keys that select it (env.name, ...)
 )
 
@@ -75,10 +76,52 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 def save(run_dir: Path, step: int, agents: Sequence[Any], updaters: Sequence[Any], trainer_state: dict[str, Any],
          config: dict[str, Any], keep: int) -> Path:
+    """Write checkpoint `step` atomically, then prune to `keep`. A failed write (a full disk) is one
+    TrainingError line; its temp folder is removed and the previous checkpoint stays as it was."""
     final = folder_of(run_dir, step)
     tmp = final.parent / f"{TMP_PREFIX}{final.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    previous = candidates(run_dir)
+    after = (f"the checkpoint of step {_step_of(previous[0])} is intact: " if previous else "") + RESUME_HINT
+    make_room(previous, step, keep, run_dir, after)
+    with writing(final, after, partial=tmp):
+        tmp.mkdir(parents=True)
+        _write(tmp, step, agents, updaters, trainer_state, config)
+    shutil.rmtree(final, ignore_errors=True)  # a checkpoint of the same step from an earlier attempt
+    os.replace(tmp, final)
+    _prune(final.parent, keep)
+    return final
+
+
+def _step_of(path: Path) -> int:
+    return int(path.name[len(PREFIX):])
+
+
+def make_room(previous: list[Path], step: int, keep: int, folder: Path, after: str) -> None:
+    """Before writing: the newest checkpoint's size against the free space. When short, remove first
+    the checkpoints this save would prune anyway, never the newest (a failed write leaves it to
+    resume from); still short, stop before writing anything."""
+    if not previous:
+        return
+    need, free = _size(previous[0]), shutil.disk_usage(folder).free
+    prunable = previous[max(keep - 1, 1):]  # newest first: what is beyond the keep - 1 kept besides the new one
+    while free < need and prunable:
+        old = prunable.pop()
+        free += _size(old)
+        shutil.rmtree(old, ignore_errors=True)
+        print(f"magrpo: removed {old} before writing step {step}'s checkpoint to make room (checkpoint.keep={keep})",
+              file=sys.stderr)
+    if free < need:
+        raise TrainingError(f"not enough space for checkpoint step {step} in {folder}: {free / 2**20:.1f} MiB free, "
+                            f"the last checkpoint takes {need / 2**20:.1f} MiB; {after}")
+
+
+def _size(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def _write(tmp: Path, step: int, agents: Sequence[Any], updaters: Sequence[Any], trainer_state: dict[str, Any],
+           config: dict[str, Any]) -> None:
     for agent, updater in zip(agents, updaters):
         folder = agent.save(tmp)
         torch.save({
@@ -89,10 +132,6 @@ def save(run_dir: Path, step: int, agents: Sequence[Any], updaters: Sequence[Any
     torch.save(trainer_state, tmp / "trainer.pt")
     (tmp / "config.json").write_text(json.dumps(config, indent=2, default=str))
     (tmp / "COMPLETE").write_text(json.dumps({"step": step, "sha256": checksums(tmp)}, indent=1))
-    shutil.rmtree(final, ignore_errors=True)  # a checkpoint of the same step from an earlier attempt
-    os.replace(tmp, final)
-    _prune(final.parent, keep)
-    return final
 
 
 def checksums(folder: Path) -> dict[str, str]:
@@ -115,21 +154,30 @@ def _prune(folder: Path, keep: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def candidates(run_dir: Path) -> list[Path]:
-    """Complete checkpoints of a run, newest first."""
+def steps_in(run_dir: Path) -> list[Path]:
+    """Every checkpoints/step_NNNNNN entry, complete or not, a folder or not, newest first."""
     folder = run_dir / "checkpoints"
-    return sorted((p for p in folder.glob(f"{PREFIX}*") if (p / "COMPLETE").is_file()), reverse=True) \
+    return sorted((p for p in folder.glob(f"{PREFIX}*") if p.name[len(PREFIX):].isdigit()), reverse=True) \
         if folder.is_dir() else []
 
 
+def candidates(run_dir: Path) -> list[Path]:
+    """Complete checkpoints of a run, newest first."""
+    return [p for p in steps_in(run_dir) if (p / "COMPLETE").is_file()]
+
+
 def holds_checkpoints(run_dir: Path) -> bool:
-    """Any step_* folder, complete or not: the run dir belongs to a run that got that far."""
-    return any((run_dir / "checkpoints").glob(f"{PREFIX}*"))
+    """Any step_* entry, complete or not: the run dir belongs to a run that got that far."""
+    return bool(steps_in(run_dir))
 
 
 def verify(path: Path) -> dict[str, Any]:
     """The COMPLETE manifest, after checking every file against its sha256; raises Unreadable.
     A checkpoint written before checksums existed is returned unverified, with a warning."""
+    if not path.is_dir():
+        raise Unreadable("not a folder")
+    if not (path / "COMPLETE").is_file():
+        raise Unreadable("no COMPLETE marker (it is written last: the write did not finish, or it was deleted)")
     try:
         manifest = json.loads((path / "COMPLETE").read_text())
     except (OSError, ValueError) as e:
@@ -240,7 +288,7 @@ def choose(setting: str | None, run_dir: str | None, config: dict[str, Any]) -> 
             raise ConfigError("resume", f"checkpoint {setting} is unreadable ({e}); give another checkpoint "
                                         f"folder or resume=auto; nothing was changed") from None
         return Path(setting)
-    for path in candidates(Path(run_dir)):
+    for path in steps_in(Path(run_dir)):  # incomplete ones too: each skip is said
         try:
             matches(path, config)
         except Unreadable as e:
@@ -250,6 +298,7 @@ def choose(setting: str | None, run_dir: str | None, config: dict[str, Any]) -> 
     if holds:
         raise ConfigError("resume", f"no checkpoint under {Path(run_dir) / 'checkpoints'} can be read; nothing was "
                                     f"changed: restore one, or start a new run with another logging.run_dir")
+    print(f"magrpo: resume=auto: no checkpoint in {run_dir}; starting from step 1", file=sys.stderr)
     return None
 
 
@@ -335,15 +384,35 @@ def remove_stale_tmp(run_dir: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def claim_run_dir(run_dir: Path, step: int | None) -> None:
+def move_aside_strays(run_dir: Path) -> None:
+    """A file (or link) where a step_NNNNNN folder belongs would stop the save of that step: renamed."""
+    for path in steps_in(run_dir):
+        if not path.is_dir():
+            aside = aside_path(path, time.strftime("%Y%m%d-%H%M%S"))
+            os.replace(path, aside)
+            print(f"magrpo: {path} is not a checkpoint folder: renamed to {aside.name}", file=sys.stderr)
+
+
+def claim_run_dir(run_dir: Path, step: int | None, complete_logs: Sequence[str] = LOGS) -> None:
     """Rank 0, once the resume decision is made: drop dead temp folders, and make the logs read as if
-    the run had never stopped (resumed at `step`) or set an unfinished run's logs aside (None)."""
+    the run had never stopped (resumed at `step`) or set an unfinished run's logs aside (None). Says
+    which logged steps were dropped (after the checkpoint) and which of `complete_logs` (the logs
+    that hold every step) are missing."""
     remove_stale_tmp(run_dir)
+    move_aside_strays(run_dir)
     if step is None:
         set_aside_logs(run_dir)
         return
-    for name in LOGS:  # what the interrupted run wrote after its checkpoint
-        repair_log(run_dir / name, step)
+    for name in LOGS:
+        kept, dropped = repair_log(run_dir / name, step)
+        if dropped:
+            print(f"magrpo: {name}: step(s) {step_ranges(dropped)} were logged after checkpoint step {step}: "
+                  f"dropped, the resumed run logs them again", file=sys.stderr)
+        missing = set(range(1, step + 1)) - kept
+        if name in complete_logs and missing:
+            gone = "the file is gone" if not (run_dir / name).is_file() else "deleted or moved from the file"
+            print(f"magrpo: {name}: step(s) {step_ranges(missing)} are missing ({gone}); the resumed run logs "
+                  f"from step {step + 1} on", file=sys.stderr)
 
 
 def resume(chosen: Path | None, world: Any, agents: Sequence[Any], updaters: Sequence[Any], sampler: Any,

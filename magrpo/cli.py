@@ -14,7 +14,7 @@ from typing import Any, Mapping, Sequence
 
 from . import plugins
 from .config import TrainConfig
-from .errors import ConfigError, MagrpoError
+from .errors import ConfigError, MagrpoError, Stopped
 from .registry import ENV_HINT, FEEDBACK_HINT
 
 # Installed, the YAML files ship inside the package (pyproject.toml); in a checkout they sit at its top.
@@ -349,6 +349,8 @@ def guarded(fn) -> tuple[int, str]:
     """fn() with every failure reported as one line: (exit code, that line; "" when fn returned)."""
     try:
         fn()
+    except Stopped as e:  # by a signal, after a checkpoint: 128 + its number, as a shell would say
+        return report("stopped", e, e.exit_code)
     except (
         MagrpoError
     ) as e:  # ours: bad input (exit 2; a hub id that cannot be fetched is found only while loading) or a stop (1)

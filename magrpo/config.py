@@ -306,6 +306,16 @@ class CheckpointConfig:
 
 
 @dataclass
+class LimitsConfig:
+    max_problem_chars: int = 10_000_000
+    """Most characters of text one problem record of the train or eval split may hold (its strings, all fields);
+    a bigger one stops at start-up with a line naming it, before any model loads (0 = no limit)."""
+    max_prompt_chars: int = 1_000_000
+    """Longest prompt, in characters, a feedback function or mode may return for an agent; a longer one stops the
+    run with a line naming the function (0 = no limit)."""
+
+
+@dataclass
 class TrainConfig:
     env: dict[str, Any] = field(default_factory=lambda: {"name": "length_ratio"})
     """Environment: `name` picks a registered env; other keys are that env's own config."""
@@ -324,6 +334,7 @@ class TrainConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
     resume: Optional[str] = None
     """Continue a run: auto (the newest readable checkpoint in logging.run_dir; none there at all: start fresh) | a
     checkpoint folder | null (a fresh run: logging.run_dir must hold no checkpoints)."""

@@ -36,6 +36,15 @@ class TrainingError(MagrpoError, RuntimeError):
     """Training cannot go on (NaN/inf steps in a row, out of memory twice); the last checkpoint is intact."""
 
 
+class Stopped(MagrpoError):
+    """A stop signal ended the run after a clean checkpoint. It exits 128 + the signal's number, as a
+    shell reports a process that signal ended: a scheduler must not read an unfinished run as done."""
+
+    def __init__(self, signum: int, message: str):
+        super().__init__(message)
+        self.exit_code = 128 + signum
+
+
 class EnvError(MagrpoError, RuntimeError):
     """An env method raised (the message names the method)."""
 
@@ -86,10 +95,12 @@ def log_traceback(run_dir: Path, error: BaseException) -> Path | None:
     """Append the error's full traceback to RUN_DIR/error.log; returns that path (None when it
     cannot be written: the error itself must still reach the user)."""
     path = Path(run_dir) / ERROR_LOG
+    text = f"--- {time.strftime('%Y-%m-%d %H:%M:%S')}\n" + "".join(traceback.format_exception(error))
     try:
         with open(path, "a") as f:
-            f.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
-            f.write("".join(traceback.format_exception(error)))
-    except OSError:
+            f.write(text)
+    except OSError:  # a full disk: no empty error.log pointing nowhere
+        if path.is_file() and path.stat().st_size == 0:
+            path.unlink(missing_ok=True)
         return None
     return path

@@ -114,7 +114,7 @@ def call_feedback(fn: FeedbackFn, name: str, branch: Branch, select: Callable[[d
             response_history_per_agent=[list(h) for h in branch.response_history],
             **select(dict(branch.context)),
         )
-    return check_prompts(prompts, num_agents, name)
+    return check_prompts(prompts, num_agents, name, fn)
 
 
 def turn_of(branches: list[Branch]) -> int | str:
@@ -127,18 +127,31 @@ def raised(name: str, fn: Any, when: str, error: Exception) -> FeedbackError:
     return FeedbackError(f"feedback function {name!r} ({qualified_name(fn)}) raised {when}: {describe(error)}")
 
 
-def check_prompts(prompts: Any, num_agents: int, name: str) -> list[str]:
-    if (
-        not isinstance(prompts, (list, tuple))
-        or len(prompts) != num_agents
-        or not all(isinstance(p, str) for p in prompts)
-    ):
-        length = f" of length {len(prompts)}" if isinstance(prompts, (list, tuple)) else ""
-        raise FeedbackError(
-            f"feedback function {name!r} must return a list of {num_agents} prompt strings (one per agent), "
-            f"got {type(prompts).__name__}{length}"
-        )
+def check_prompts(prompts: Any, num_agents: int, name: str, fn: Any = None) -> list[str]:
+    wrong = _wrong_prompts(prompts, num_agents)
+    if wrong:
+        where = f" ({qualified_name(fn)})" if fn is not None else ""
+        raise FeedbackError(f"feedback function {name!r}{where} must return a list of {num_agents} prompt strings "
+                            f"(one per agent), got {wrong}")
     return list(prompts)
+
+
+def _wrong_prompts(prompts: Any, num_agents: int) -> str | None:
+    """What is wrong with a feedback function's return value, in words (None: nothing)."""
+    if not isinstance(prompts, (list, tuple)):
+        return f"{type(prompts).__name__} {_short(prompts)}"
+    if len(prompts) != num_agents:
+        return f"a {type(prompts).__name__} of length {len(prompts)}"
+    bad = [i for i, p in enumerate(prompts) if not isinstance(p, str)]
+    if bad:
+        return (f"a {type(prompts).__name__} whose item {bad[0]} is {type(prompts[bad[0]]).__name__} "
+                f"{_short(prompts[bad[0]])}" + (f" ({len(bad)} items are not strings)" if len(bad) > 1 else ""))
+    return None
+
+
+def _short(value: Any) -> str:
+    text = " ".join(repr(value).split())
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def options_of(external_cfg: Any) -> dict[str, Any]:
@@ -150,8 +163,10 @@ def options_of(external_cfg: Any) -> dict[str, Any]:
 class Feedback:
     """The configured mode, applied to every expanding branch of a turn in one call."""
 
-    def __init__(self, external_cfg: Any, env: Any, target: FeedbackTarget | None = None):
-        """`target` overrides external_cfg.mode with a function or mode class (tests, notebooks)."""
+    def __init__(self, external_cfg: Any, env: Any, target: FeedbackTarget | None = None, max_prompt_chars: int = 0):
+        """`target` overrides external_cfg.mode with a function or mode class (tests, notebooks);
+        `max_prompt_chars`: limits.max_prompt_chars (0: no limit)."""
+        self.max_prompt_chars = max_prompt_chars
         self.name = mode_for(external_cfg.mode, env) if target is None else getattr(target, "__name__", "custom")
         self.max_concurrency = external_cfg.max_concurrency
         self.options = options_of(external_cfg)
@@ -189,11 +204,25 @@ class Feedback:
                 raise FeedbackError(
                     f"feedback mode {self.name!r} returned {len(out)} prompt lists for {len(branches)} branches"
                 )
-            return [check_prompts(p, len(b.agent_completions), self.name) for p, b in zip(out, branches)]
+            prompts = [check_prompts(p, len(b.agent_completions), self.name, self.mode.batch)
+                       for p, b in zip(out, branches)]
+            return [self.sized(p, self.mode.batch) for p in prompts]
         if self.max_concurrency <= 1 or len(branches) <= 1:
-            return [call_feedback(self.fn, self.name, b, self._select) for b in branches]
-        with ThreadPoolExecutor(max_workers=min(self.max_concurrency, len(branches))) as pool:
-            return list(pool.map(lambda b: call_feedback(self.fn, self.name, b, self._select), branches))
+            prompts = [call_feedback(self.fn, self.name, b, self._select) for b in branches]
+        else:
+            with ThreadPoolExecutor(max_workers=min(self.max_concurrency, len(branches))) as pool:
+                prompts = list(pool.map(lambda b: call_feedback(self.fn, self.name, b, self._select), branches))
+        return [self.sized(p, self.fn) for p in prompts]
+
+    def sized(self, prompts: list[str], fn: Any) -> list[str]:
+        """prompts, when none is longer than limits.max_prompt_chars; else a FeedbackError naming fn."""
+        long = [(a, len(p)) for a, p in enumerate(prompts) if self.max_prompt_chars and len(p) > self.max_prompt_chars]
+        if long:
+            agent, size = long[0]
+            raise FeedbackError(f"feedback function {self.name!r} ({qualified_name(fn)}) returned a prompt of "
+                                f"{size:,} characters for agent {agent}, more than limits.max_prompt_chars="
+                                f"{self.max_prompt_chars:,}; return shorter prompts, or raise the limit (0 = none)")
+        return prompts
 
     def metrics(self) -> dict[str, float]:
         return self.mode.metrics() if self.mode is not None else {}

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Iterator
 
 import torch
 
+from . import hub
 from .errors import ConfigError, FetchError
 
 if TYPE_CHECKING:
@@ -200,6 +201,12 @@ class Agent:
         return target
 
 
+def cache_only_for(path: str) -> bool:
+    """A hub id while the hub cannot be reached: load from the local cache only (each file's download
+    retries would otherwise print some twenty lines before the error)."""
+    return not os.path.isdir(path) and not hub.offline() and not hub.reachable()
+
+
 def load_agents(cfg: TrainConfig, num_agents: int) -> list[Agent]:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -227,14 +234,21 @@ def load_agents(cfg: TrainConfig, num_agents: int) -> list[Agent]:
         if name not in shared:
             key = "model.name" if name == cfg.model.name else f"agents[{i}].model"
             path = resolve_model_path(name, key, cfg.model.tiny_hidden_size, cfg.model.tiny_layers)
+            cache_only = cache_only_for(path)
             try:
-                tok = AutoTokenizer.from_pretrained(
-                    path, padding_side="left", trust_remote_code=cfg.model.trust_remote_code
-                )
-                base = AutoModelForCausalLM.from_pretrained(
-                    path, dtype=dtype, trust_remote_code=cfg.model.trust_remote_code
-                )
+                with hub.cache_only(cache_only):
+                    tok = AutoTokenizer.from_pretrained(
+                        path, padding_side="left", trust_remote_code=cfg.model.trust_remote_code,
+                        local_files_only=cache_only,
+                    )
+                    base = AutoModelForCausalLM.from_pretrained(
+                        path, dtype=dtype, trust_remote_code=cfg.model.trust_remote_code, local_files_only=cache_only
+                    )
             except OSError as e:  # not a local folder, and the hub has no such model or cannot be reached
+                if cache_only:
+                    raise ConfigError(key, f"cannot load {name!r}: the hub ({':'.join(map(str, hub.endpoint()))}) "
+                                           f"cannot be reached and the local cache holds no copy; give a local folder, "
+                                           f"or run once with network access") from None
                 first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
                 raise ConfigError(key, f"cannot load {name!r}: {first}") from None
             if tok.pad_token is None:  # completions are cut at EOS from token ids, so pad == eos is safe

@@ -65,7 +65,13 @@ def score_guarded(
     try:
         scored = env.score(owners, texts)
         if all(bad_score(s, len(t)) is None for s, t in zip(scored, texts)):
+            if len(scored) != len(texts):  # the env's bug, not one joint action's: no retry one by one
+                raise RewardError(f"env {type(env).__name__} ({scoring_method(env)}) returned {len(scored)} "
+                                  f"score(s) for {len(texts)} joint actions of turn {turn}; return one per joint "
+                                  f"action, in order")
             return scored, [False] * len(scored)
+    except RewardError:
+        raise
     except Exception:  # noqa: BLE001  (any env error: find the joint action that caused it)
         pass
     out, failed = [], []
@@ -78,13 +84,20 @@ def score_guarded(
         if error is not None and on_error == "raise":
             problem = problem_name(owner)
             raise RewardError(
-                f"env {type(env).__name__} ({qualified_name(type(env))}.score) failed on joint action {i} "
+                f"env {type(env).__name__} ({scoring_method(env)}) failed on joint action {i} "
                 f"of turn {turn} (problem {problem!r}, "
                 f"completions {[t[:40] for t in joint_texts]}): {error}; set reward.on_error=zero to score it 0"
             )
         out.append(one if error is None else Scored(0.0, {"reward": 0.0}))
         failed.append(error is not None)
     return out, failed
+
+
+def scoring_method(env: Environment) -> str:
+    """The env's own method that scores: score, or the outcomes / rewards the default score calls."""
+    own = next((m for m in ("score", "outcomes", "rewards") if getattr(type(env), m) is not getattr(Environment, m)),
+               "score")
+    return qualified_name(getattr(type(env), own))
 
 
 def bad_score(scored: Scored, num_agents: int) -> str | None:

@@ -1,55 +1,111 @@
 """Run directory outputs: resolved config, metrics.jsonl, rollouts.jsonl, adapters, wandb."""
 from __future__ import annotations
 
+import errno
 import json
 import netrc
 import os
 import re
+import shutil
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
+from .config import flatten
+from .errors import MagrpoError, TrainingError
 from .tree import Node
 
+# Less free than this right after a failed write: the disk was full, whatever error the writer raised.
+FULL_BYTES = 1 << 20
 
-def make_run_dir(run_dir: str | None, env_name: str) -> Path:
+
+def os_error_of(error: BaseException, folder: Path) -> str | None:
+    """The OS error behind a failed write, in words (None: it was no OS error, e.g. a bug). torch and
+    safetensors wrap a full disk in their own errors (`[enforce fail at inline_container.cc:672]`),
+    so a disk found full right after the failure says so."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno:
+            return f"[Errno {seen.errno}] {os.strerror(seen.errno)}"
+        seen = seen.__cause__ or seen.__context__
+    try:
+        full = shutil.disk_usage(folder).free < FULL_BYTES
+    except OSError:
+        return None
+    return f"[Errno {errno.ENOSPC}] {os.strerror(errno.ENOSPC)}" if full else None
+
+
+@contextmanager
+def writing(path: Path, after: str, partial: Path | None = None) -> Iterator[None]:
+    """A write to `path`: an OS failure (a full disk above all) becomes one TrainingError line naming
+    the path and the OS error, then `after`; `partial` (what the write was building) is removed first,
+    so nothing half-written is left filling the disk."""
+    try:
+        yield
+    except Exception as e:
+        reason = None if isinstance(e, MagrpoError) else os_error_of(e, path.parent)  # before the clean-up frees space
+        if partial is not None and partial.is_dir():
+            shutil.rmtree(partial, ignore_errors=True)
+        elif partial is not None:
+            partial.unlink(missing_ok=True)
+        if reason is None:
+            raise
+        raise TrainingError(f"cannot write {path}: {reason}; {after}") from e
+
+
+RESUME_HINT = "free space, then resume=auto continues from the last complete checkpoint"
+
+
+def make_run_dir(run_dir: str | None, env_name: str) -> tuple[Path, bool]:
+    """The run dir, made when new; and whether this call made it."""
     path = Path(run_dir) if run_dir else Path("runs") / f"{env_name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    made = not path.exists()
     path.mkdir(parents=True, exist_ok=True)
-    return path
+    return path, made
 
 
 LOGS = ("metrics.jsonl", "rollouts.jsonl")
 
 
-def repair_log(path: Path, last_step: int) -> None:
+def repair_log(path: Path, last_step: int) -> tuple[set[int], set[int]]:
     """Keep every valid line with step <= last_step, in order; drop valid lines after it (the resumed
     run writes those steps again). Lines that are not a JSON object with a step (a torn last line, or
     garbage in the middle) move, byte for byte, to `<file>.corrupt`, with one line saying so. The log
-    is rewritten atomically."""
+    is read line by line and rewritten atomically. Returns (steps kept, steps dropped)."""
+    kept, dropped, bad = set(), set(), []
     if not path.is_file():
-        return
-    kept, bad = split_log(path.read_bytes().splitlines(keepends=True), last_step)
-    if bad:
-        with open(path.with_name(path.name + ".corrupt"), "ab") as aside:
-            aside.writelines(_ended(line) for _, line in bad)
-        print(f"magrpo: {path}: line(s) {', '.join(str(n) for n, _ in bad)} are not valid JSON records (torn or "
-              f"garbled); moved to {path.name}.corrupt", file=sys.stderr)
+        return kept, dropped
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(b"".join(kept))
+    with writing(path, "free space, then resume again", partial=tmp), open(path, "rb") as log, open(tmp, "wb") as out:
+        for number, line in enumerate(log, 1):
+            step = _step_of(line)
+            if step is None:
+                bad.append(number)
+                with open(path.with_name(path.name + ".corrupt"), "ab") as aside:
+                    aside.write(_ended(line))
+            elif step <= last_step:
+                out.write(_ended(line))
+                kept.add(step)
+            else:
+                dropped.add(step)
+    if bad:
+        print(f"magrpo: {path}: line(s) {', '.join(map(str, bad))} are not valid JSON records (torn or "
+              f"garbled); moved to {path.name}.corrupt", file=sys.stderr)
     os.replace(tmp, path)
+    return kept, dropped
 
 
-def split_log(lines: Sequence[bytes], last_step: int) -> tuple[list[bytes], list[tuple[int, bytes]]]:
-    """(lines to keep, [(1-based line number, line) that do not parse])."""
-    kept, bad = [], []
-    for number, line in enumerate(lines, 1):
-        step = _step_of(line)
-        if step is None:
-            bad.append((number, line))
-        elif step <= last_step:
-            kept.append(_ended(line))
-    return kept, bad
+def step_ranges(steps: Iterable[int]) -> str:
+    """1, 2, 3, 5 -> "1-3, 5"."""
+    runs: list[list[int]] = []
+    for step in sorted(steps):
+        if runs and step == runs[-1][1] + 1:
+            runs[-1][1] = step
+        else:
+            runs.append([step, step])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def _ended(line: bytes) -> bytes:
@@ -65,16 +121,54 @@ def _step_of(line: bytes) -> int | None:
     return step if isinstance(step, int) and not isinstance(step, bool) else None
 
 
+def aside_path(path: Path, stamp: str) -> Path:
+    """`<name>.before-<stamp>`, unused yet (two starts within a second get -1, -2, ...)."""
+    aside, n = path.with_name(f"{path.name}.before-{stamp}"), 0
+    while aside.exists():
+        n += 1
+        aside = path.with_name(f"{path.name}.before-{stamp}-{n}")
+    return aside
+
+
 def set_aside_logs(run_dir: Path) -> None:
     """A fresh start in a run dir that holds logs but no checkpoint (a run stopped before its first):
     the old files are renamed, never overwritten."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    moved = [name for name in (*LOGS, "config.json") if (run_dir / name).is_file()]
-    for name in moved:
-        os.replace(run_dir / name, run_dir / f"{name}.before-{stamp}")
+    moved = [(name, aside_path(run_dir / name, stamp)) for name in (*LOGS, "config.json") if (run_dir / name).is_file()]
+    for name, aside in moved:
+        os.replace(run_dir / name, aside)
     if moved:
-        print(f"magrpo: no checkpoint in {run_dir}: starting over; the earlier {', '.join(moved)} renamed to "
-              f"*.before-{stamp}", file=sys.stderr)
+        print(f"magrpo: no checkpoint in {run_dir}: starting over; the earlier {', '.join(n for n, _ in moved)} "
+              f"renamed to {', '.join(a.name for _, a in moved)}", file=sys.stderr)
+
+
+def write_config(run_dir: Path, config: Mapping[str, Any]) -> None:
+    """config.json: this start's resolved config. It is never rewritten in place: an earlier one that
+    differs (a resume with other safe keys, e.g. trainer.steps) is kept as config.json.before-<time>."""
+    path, text = run_dir / "config.json", json.dumps(config, indent=2, default=str)
+    if path.is_file():
+        changed = _changed_keys(path.read_text(), config)
+        if not changed:
+            return
+        aside = aside_path(path, time.strftime("%Y%m%d-%H%M%S"))
+        os.replace(path, aside)
+        print(f"magrpo: {path} kept as {aside.name}: this start's config differs in {changed}", file=sys.stderr)
+    tmp = path.with_name(path.name + ".tmp")
+    with writing(path, "free space, then resume again", partial=tmp):
+        tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _changed_keys(old_text: str, config: Mapping[str, Any]) -> str:
+    """The keys that differ, listed ("" when none). `resume` is not counted: it says how a start
+    began (the first has none, the later ones auto), not what the run is."""
+    try:
+        old = flatten(json.loads(old_text))
+    except ValueError:
+        return "every key (the earlier config.json does not parse)"
+    new = flatten(json.loads(json.dumps(config, default=str)))
+    keys = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k) and k != "resume")
+    return ", ".join(keys[:8]) + (f" and {len(keys) - 8} more" if len(keys) > 8 else "")
 
 
 def tree_records(step: int, problems: Sequence[Mapping[str, Any]], nodes: list[Node]) -> list[dict]:
@@ -173,7 +267,7 @@ class RunWriter:
 
     def __init__(self, path: Path, config: Mapping[str, Any], wandb_cfg: Any):
         self.path = path
-        (path / "config.json").write_text(json.dumps(config, indent=2, default=str))
+        write_config(path, config)
         self.metrics = open(path / "metrics.jsonl", "a")
         self.rollouts = open(path / "rollouts.jsonl", "a")
         self.wandb = None
@@ -196,15 +290,17 @@ class RunWriter:
             self.wandb.define_metric("eval/*", step_metric="step", summary="max")
 
     def log_metrics(self, step: int, metrics: Mapping[str, float]) -> None:
-        self.metrics.write(json.dumps({"step": step, **metrics}) + "\n")
-        self.metrics.flush()
+        with writing(self.path / "metrics.jsonl", RESUME_HINT):  # a torn line is set aside on resume
+            self.metrics.write(json.dumps({"step": step, **metrics}) + "\n")
+            self.metrics.flush()
         if self.wandb is not None:
             self.wandb.log({"step": step, **metrics}, step=step)
 
     def log_trees(self, records: list[dict]) -> None:
-        for record in records:
-            self.rollouts.write(json.dumps(record, default=str) + "\n")
-        self.rollouts.flush()
+        with writing(self.path / "rollouts.jsonl", RESUME_HINT):
+            for record in records:
+                self.rollouts.write(json.dumps(record, default=str) + "\n")
+            self.rollouts.flush()
 
     def log_samples(self, step: int, records: list[dict]) -> None:
         """Sample rollouts for wandb: a Table of every tree's joint actions and the first tree's page."""
@@ -230,7 +326,10 @@ class RunWriter:
         self.wandb.log_artifact(artifact)
 
     def close(self) -> None:
-        self.metrics.close()
-        self.rollouts.close()
+        for log in (self.metrics, self.rollouts):
+            try:
+                log.close()
+            except OSError:  # every line was flushed as written: a failed one was already reported
+                pass
         if self.wandb is not None:
             self.wandb.finish()

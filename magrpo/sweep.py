@@ -4,7 +4,7 @@ folder under one sweep folder; then a table of every run's final metrics (summar
 
 Every run's config is composed and checked before the first one trains, so a bad value anywhere is
 a one-line error and nothing runs. A run that fails while training is reported in the table and the
-sweep goes on; the exit code is then that of the first failure.
+sweep goes on (a stop by signal ends the sweep); the exit code is then that of the first failure.
 """
 from __future__ import annotations
 
@@ -116,6 +116,8 @@ def sweep(args, run: Callable[..., None], guarded: Callable[[Callable[[], None]]
         code, line = guarded(lambda o=overrides, d=root / name: run(args, o, d))
         first_failure = first_failure or code
         rows.append((name, line or "ok", final_metrics(root / name)))
+        if isinstance(code, int) and code > 128:  # stopped by a signal (cli.guarded): the whole sweep stops
+            break
     if args.show:
         return first_failure
     md, tsv = summary(rows)

@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import random
+import signal
 import sys
 import time
+from contextlib import contextmanager, suppress
 from dataclasses import asdict
 from functools import partial
 from pathlib import Path
@@ -11,14 +13,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import checkpoint
+from . import checkpoint, run_lock
 from .advantage import AdvantageSettings, assign_advantages
 from .backends import make_backend
 from .config import TrainConfig, check_finite
 from .console import StopSignals, progress_bar, startup_line, summary_line
 from .distributed import World, world_from_env
 from .env import Environment, call_env, make_env
-from .errors import ConfigError, TrainingError, log_traceback
+from .errors import ConfigError, Stopped, TrainingError, log_traceback
 from .evaluation import evaluate
 from .feedback import Feedback, FeedbackTarget, mode_for
 from .generation import SamplingParams
@@ -26,11 +28,11 @@ from .guards import BadSteps, Halvable, oom_retry
 from .loss import kept_completions
 from .metrics import Counter, Maximum, reduce_over_ranks
 from .rollout import Rollout, TreeSettings, expand_trees, merge_rollouts, portable
-from .run_io import NullWriter, RunWriter, make_run_dir, tree_records
+from .run_io import LOGS, RESUME_HINT, NullWriter, RunWriter, make_run_dir, tree_records, writing
 from .sampling import stream_key
 from .tree import count_leaves
 from .update import AgentUpdater, TrainSample, UpdateSettings
-from .validation import check_tree_size, step_size, validate
+from .validation import check_problem_sizes, check_tree_size, step_size, validate
 
 
 def seed_everything(seed: int) -> None:
@@ -77,12 +79,12 @@ def prepare(
         raise ConfigError(
             "agents", f"{len(cfg.agents)} entries for {env.num_agents} agent(s); give at most one per agent"
         )
-    _check_split(env, "train")
+    _check_split(env, "train", cfg.limits.max_problem_chars)
     if evaluates(cfg):
-        _check_split(env, "eval")
+        _check_split(env, "eval", cfg.limits.max_problem_chars)
     check_tree_size(cfg, env.num_agents)
     cfg.external.mode = mode_for(cfg.external.mode, env)  # config.json records the mode that ran, not `auto`
-    checked = Feedback(cfg.external, env, feedback)
+    checked = Feedback(cfg.external, env, feedback, max_prompt_chars=cfg.limits.max_prompt_chars)
     checked.check()
     return env, checked
 
@@ -91,10 +93,11 @@ def evaluates(cfg: TrainConfig) -> bool:
     return bool(cfg.eval.at_end or cfg.eval.every or cfg.eval.at_start)
 
 
-def _check_split(env: Environment, split: str) -> None:
+def _check_split(env: Environment, split: str, max_chars: int) -> None:
     """Load a split now (the env caches it): bad data is a start-up error, and an empty split would
-    leave nothing to sample."""
+    leave nothing to sample, a huge record take the machine's memory once encoded."""
     problems = call_env(env, "problems", split, where=f"loading the {split} split")
+    check_problem_sizes(problems, split, max_chars)
     if not problems:
         key = env.split_keys.get(split, "env")
         value = getattr(env.cfg, key.partition(".")[2], None)
@@ -117,14 +120,39 @@ def train(cfg: TrainConfig, env: Environment | None = None, feedback: FeedbackTa
     env, feedback = prepare(cfg, env, feedback)
     world = world_from_env(cfg.model.device, cfg.trainer.dist_timeout_min)
     try:
-        return _train(cfg, env, feedback, world)
+        with owned_run_dir(cfg, world) as run_dir:
+            return _train(cfg, env, feedback, world, run_dir)
     finally:
         world.close()
 
 
-def _train(cfg: TrainConfig, env: Environment, feedback: Feedback, world: World) -> Path:
+@contextmanager
+def owned_run_dir(cfg: TrainConfig, world: World):
+    """The run dir (made when new), locked by rank 0 for the whole run: a second writer stops here, before
+    any model loads, with one line naming the holder. Every rank gets its path. A dir made here and
+    still empty at the end (the run stopped before writing anything) is removed."""
+    held: list[run_lock.RunLock] = []
+    made: list[Path] = []
+
+    def take() -> str:
+        path, new = make_run_dir(cfg.logging.run_dir, cfg.env["name"])
+        made.extend([path] if new else [])
+        held.append(run_lock.acquire(path))
+        return str(path)
+
+    try:
+        yield Path(checkpoint.on_main(world, take))
+    finally:
+        for lock in held:
+            lock.release()
+        for path in made:
+            with suppress(OSError):  # not empty: the run wrote something
+                path.rmdir()
+
+
+def _train(cfg: TrainConfig, env: Environment, feedback: Feedback, world: World, run_dir: Path) -> Path:
     """The loop of the README: collect -> advantages -> update -> log -> eval / checkpoint."""
-    run = Run(cfg, env, feedback, world)
+    run = Run(cfg, env, feedback, world, run_dir)
     trainer = cfg.trainer
     with run:
         if cfg.eval.at_start and run.first_step == 1:
@@ -140,8 +168,7 @@ def _train(cfg: TrainConfig, env: Environment, feedback: Feedback, world: World)
             if run.checkpoint_due(step) or stopping:
                 run.save_checkpoint(step)
             if stopping:
-                run.announce_stop(step)
-                return run.dir
+                raise run.stopped(step)
         run.save_adapters()
     if world.is_main:
         print(f"magrpo: done; adapters in {run.dir / 'adapters'}", file=sys.stderr)
@@ -153,9 +180,9 @@ class Run:
     after the resume decision; a context manager that closes what it opened (and keeps the
     traceback of an error in the run dir)."""
 
-    def __init__(self, cfg: TrainConfig, env: Environment, feedback: Feedback, world: World):
+    def __init__(self, cfg: TrainConfig, env: Environment, feedback: Feedback, world: World, run_dir: Path):
         # Before any model loads: a resume that does not match its run stops here (rank 0 decides).
-        chosen = checkpoint.on_main(world, lambda: checkpoint.choose(cfg.resume, cfg.logging.run_dir, asdict(cfg)))
+        chosen = checkpoint.on_main(world, lambda: checkpoint.choose(cfg.resume, str(run_dir), asdict(cfg)))
         seed_everything(cfg.trainer.seed)  # the same on every rank: identical initial adapters
         from .models import load_agents, model_dtype
 
@@ -164,8 +191,7 @@ class Run:
         self.agents = load_agents(cfg, env.num_agents)
         self.backend = make_backend(cfg, self.agents)
         self.updaters = [AgentUpdater(a, trainer.lr, trainer.weight_decay, trainer.warmup_steps) for a in self.agents]
-        run_dir = make_run_dir(cfg.logging.run_dir, cfg.env["name"]) if world.is_main else None
-        self.dir = Path(world.broadcast(str(run_dir) if run_dir else None))
+        self.dir = run_dir
         # The same problem order on every rank; each takes its shard of every batch.
         self.sampler = ProblemSampler(env.problems("train"), trainer.seed)
         state = checkpoint.resume(chosen, world, self.agents, self.updaters, self.sampler, env)
@@ -173,7 +199,11 @@ class Run:
             self.backend.sync_weights()
         self.first_step, self.env_step = (state["step"] + 1, state["env_step"]) if state else (1, 0)
         if world.is_main:  # only now, with a matching checkpoint loaded (or none to match), is the run dir touched
-            checkpoint.claim_run_dir(self.dir, state["step"] if state else None)
+            checkpoint.claim_run_dir(self.dir, state["step"] if state else None,
+                                     LOGS if cfg.logging.rollouts else LOGS[:1])
+            if state and state["step"] >= trainer.steps:
+                print(f"magrpo: the checkpoint is at step {state['step']}, trainer.steps={trainer.steps}: no step "
+                      f"left to train; raise trainer.steps to go on", file=sys.stderr)
         recorded = {**asdict(cfg), **({"warnings": list(env.warnings)} if env.warnings else {})}
         self.writer = RunWriter(self.dir, recorded, cfg.logging.wandb) if world.is_main else NullWriter()
         self.eval_problems = env.problems("eval")[: cfg.eval.max_problems or None] if evaluates(cfg) else []
@@ -198,7 +228,8 @@ class Run:
 
     def __exit__(self, kind, error, tb) -> None:
         try:
-            if isinstance(error, Exception):  # the console gets one line (cli.py), the run dir the traceback
+            # the console gets one line (cli.py), the run dir the traceback; a stop by signal is no error to trace
+            if isinstance(error, Exception) and not isinstance(error, Stopped):
                 log = log_traceback(self.dir, error) if self.world.is_main else None
                 if log is not None:
                     error.add_note(f"traceback in {log}")
@@ -320,22 +351,23 @@ class Run:
 
     def save_checkpoint(self, step: int) -> None:
         ranks = self.world.gather({"rng": checkpoint.rng_state(), "env": self.env.state()})
-        if self.world.is_main:
-            state = {"step": step, "env_step": self.env_step, "sampler": self.sampler.state(), "ranks": ranks}
-            checkpoint.save(
-                self.dir, step, self.agents, self.updaters, state, asdict(self.cfg), self.cfg.checkpoint.keep
-            )
+        state = {"step": step, "env_step": self.env_step, "sampler": self.sampler.state(), "ranks": ranks}
+        # Rank 0 writes; its failure (a full disk) stops every rank rather than leaving them waiting for it.
+        checkpoint.on_main(self.world, lambda: str(checkpoint.save(
+            self.dir, step, self.agents, self.updaters, state, asdict(self.cfg), self.cfg.checkpoint.keep)))
 
-    def announce_stop(self, step: int) -> None:
-        if self.world.is_main:
-            name = self.stop.signal.name if self.stop.signal else "a signal to another process"
-            print(f"\nmagrpo: stopped by {name} after step {step}; checkpoint written, continue "
-                  f"with resume=auto logging.run_dir={self.dir}", file=sys.stderr)
+    def stopped(self, step: int) -> Stopped:
+        """The error that ends a stopped run, on every rank with the same signal (the one any rank got)."""
+        got = self.world.gather(int(self.stop.signal or 0))
+        sig = signal.Signals(self.world.broadcast(max(got) if got else None))
+        return Stopped(sig, f"{sig.name} after step {step}; checkpoint written, continue with resume=auto "
+                            f"logging.run_dir={self.dir}")
 
     def save_adapters(self) -> None:
         if self.world.is_main:
-            for agent in self.agents:
-                agent.save(self.dir / "adapters")
+            with writing(self.dir / "adapters", RESUME_HINT):
+                for agent in self.agents:
+                    agent.save(self.dir / "adapters")
             self.writer.log_adapters(self.dir / "adapters")
 
 

@@ -31,6 +31,8 @@ def validate(cfg: TrainConfig) -> None:
     at_least("trainer.ppo_epochs", trainer.ppo_epochs, 1)
     at_least("trainer.warmup_steps", trainer.warmup_steps, 0)
     at_least("trainer.max_bad_steps", trainer.max_bad_steps, 0)
+    at_least("limits.max_problem_chars", cfg.limits.max_problem_chars, 0, "0 = no limit")
+    at_least("limits.max_prompt_chars", cfg.limits.max_prompt_chars, 0, "0 = no limit")
     at_least("trainer.max_sequences_per_step", trainer.max_sequences_per_step, 0)
     choice("reward.on_error", cfg.reward.on_error, ["raise", "zero"])
     at_least("checkpoint.every", cfg.checkpoint.every, 0)
@@ -274,3 +276,26 @@ def _check_wandb_key(mode: str) -> None:
             "online needs a wandb API key (set WANDB_API_KEY or run `wandb login`); "
             "or use auto or offline (`wandb sync` uploads later)",
         )
+
+
+def check_problem_sizes(problems: list, split: str, max_chars: int) -> None:
+    """A ConfigError naming the first problem record with more than max_chars characters of text
+    (limits.max_problem_chars; 0: no limit): once encoded, one huge record takes the machine's memory."""
+    for i, problem in enumerate(problems if max_chars else []):
+        size = text_size(problem)
+        if size > max_chars:
+            name = str(problem.get("task_id") or problem.get("prompt", "")) if isinstance(problem, dict) else ""
+            raise ConfigError("limits.max_problem_chars", f"problem {i} of the {split} split ({name[:40]!r}) holds "
+                                                          f"{size:,} characters of text, more than {max_chars:,}; fix "
+                                                          f"the data, or raise the limit (0 = none)")
+
+
+def text_size(value) -> int:
+    """Characters in the strings of a record (nested lists and mappings included)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(text_size(k) + text_size(v) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return sum(text_size(v) for v in value)
+    return 0

@@ -347,3 +347,22 @@ def test_bad_flag_or_override_is_one_line(case, capsys, monkeypatch, tmp_path):
     assert line.startswith(f"config error: {key}:"), line
     for word in words:
         assert word in line, (word, line)
+
+
+def test_a_sweep_stops_with_the_run_a_signal_stopped(tmp_path, capsys):
+    """A SIGTERM used to end one run (exit 0) and the sweep went on to the next."""
+    from magrpo.cli import Args, guarded
+    from magrpo.errors import Stopped
+    from magrpo.sweep import sweep
+
+    trained = []
+
+    def run(args, overrides, run_dir, dry=False):
+        if not dry:
+            trained.append(run_dir.name)
+            raise Stopped(15, f"SIGTERM after step 1; checkpoint written, continue with resume=auto "
+                              f"logging.run_dir={run_dir}")
+
+    code = sweep(Args(["trainer.seed=0,1", f"logging.run_dir={tmp_path}"]), run, guarded)
+    assert code == 143 and trained == ["0-trainer.seed=0"]
+    assert "stopped: SIGTERM after step 1" in capsys.readouterr().err

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, SMALL
 
 CASES = {
     # override: (key named first on the line, words the line must contain)
@@ -70,7 +70,6 @@ def test_an_unregistered_env_says_how_to_add_ones_own_from_python_too(make_cfg):
     import magrpo
     from magrpo.errors import ConfigError
     from magrpo.trainer import prepare
-    from tests.conftest import SMALL
 
     with pytest.raises(ConfigError, match=r"^env.name: 'nope' is not allowed; .*plugins=\[my_pkg.envs\]"):
         magrpo.train(SMALL, env="nope")
@@ -98,6 +97,25 @@ def test_an_unknown_flag_exits_2_with_one_line():
     code, lines = train_py("--lr=1")
     assert (code, lines) == (2, ["config error: --lr=1: unknown flag; use key=value overrides or one of: --cfg, "
                                  "--config-dir, --config-name, -m (see --help)"])
+
+
+def test_a_hub_model_with_the_hub_unreachable_is_one_line_and_no_download_is_tried(tmp_path, monkeypatch, capsys):
+    """With no network (and no HF_HUB_OFFLINE) it used to print 23 download retry lines before its one
+    clear line; conftest.py's no_network fails the test if a download is tried."""
+    import huggingface_hub.constants
+
+    import magrpo.hub
+    from magrpo.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(magrpo.hub, "reachable", lambda: False)  # what the probe finds with no network
+    code = main([*SMALL, f"logging.run_dir={tmp_path / 'run'}", "model.name=no-such-org/no-such-model"])
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert code == 2 and lines == ["config error: model.name: cannot load 'no-such-org/no-such-model': the hub "
+                                   "(huggingface.co:443) cannot be reached and the local cache holds no copy; give a "
+                                   "local folder, or run once with network access"], lines
 
 
 def test_hub_id_that_cannot_be_loaded_is_one_line(tmp_path, monkeypatch, capsys):

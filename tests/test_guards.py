@@ -65,7 +65,7 @@ def expand(on_error):
 
 
 def test_raising_env_is_named_with_the_joint_action():
-    with pytest.raises(RewardError, match=r"env FakeEnv \(tests\.fakes\.FakeEnv\.score\) failed on joint action 1 "
+    with pytest.raises(RewardError, match=r"env FakeEnv \(tests\.fakes\.FakeEnv\.rewards\) failed on joint action 1 "
                                           r"of turn 0 \(problem 'P0'.*ZeroDivisionError: the grader divided by zero; "
                                           r"set reward.on_error=zero"):
         expand("raise")
@@ -148,3 +148,38 @@ def test_a_signal_finishes_the_step_and_a_later_second_one_stops_at_once():
             os.kill(os.getpid(), signal.SIGINT)
     finally:
         stop.restore()
+
+
+class SignalledWorld:
+    """A 2-process world seen from rank 0, where only rank 1 got the signal (SIGINT)."""
+
+    is_main, size = True, 2
+
+    def gather(self, obj):
+        return [obj, 2]
+
+    def broadcast(self, obj):
+        return obj
+
+
+@pytest.mark.parametrize("world, got, code", [(None, "SIGTERM", 143), (SignalledWorld(), None, 130)])
+def test_a_stop_by_signal_exits_128_plus_its_number_with_one_line(tmp_path, capsys, world, got, code):
+    """A SIGTERM used to finish the step, checkpoint and exit 0: a scheduler read the unfinished run as
+    done. Every rank now exits with the signal some rank got (as a shell reports it: 128 + n)."""
+    import signal
+    from types import SimpleNamespace
+
+    from magrpo.cli import guarded
+    from magrpo.distributed import World
+    from magrpo.trainer import Run
+
+    run = SimpleNamespace(world=world or World(), stop=SimpleNamespace(signal=got and signal.Signals[got]),
+                          dir=tmp_path)
+
+    def stop():
+        raise Run.stopped(run, 3)
+
+    name = got or "SIGINT"
+    assert guarded(stop) == (code, f"stopped: {name} after step 3; checkpoint written, continue with resume=auto "
+                                   f"logging.run_dir={tmp_path}")
+    assert capsys.readouterr().err.count("\n") == 1

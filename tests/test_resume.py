@@ -120,8 +120,8 @@ def test_sigterm_writes_a_checkpoint_and_resume_continues(reference, tmp_path):
     wait_for(run / "metrics.jsonl", proc)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err
-    assert "stopped by SIGTERM" in err and "resume=auto" in err
+    assert proc.returncode == 128 + signal.SIGTERM, err  # not 0: a scheduler must not read it as done
+    assert err.splitlines()[-1].startswith("stopped: SIGTERM after step ") and "resume=auto" in err
     (saved,) = (run / "checkpoints").glob("step_*")
     assert int(saved.name.split("_")[1]) < 4
     finish(run, "resume=auto", "checkpoint.every=0")
@@ -332,3 +332,79 @@ def test_an_error_on_rank_0_is_raised_on_every_rank():
 
     with pytest.raises(ConfigError, match="^resume: no checkpoint under X can be read$"):
         on_main(Rank1(), lambda: pytest.fail("only rank 0 reads"))
+
+
+def test_a_file_where_a_checkpoint_folder_should_be_is_skipped_and_renamed(reference, tmp_path, capsys):
+    """It used to stop every resume with `unexpected NotADirectoryError`, after redoing the step."""
+    run = copy_of(reference, tmp_path)
+    newest = run / "checkpoints" / "step_000004"
+    shutil.rmtree(newest)
+    newest.write_text("not a checkpoint")
+    code, err = cli(capsys, run, "resume=auto")
+    assert code == 0, err
+    assert f"magrpo: skipping checkpoint {newest}: not a folder" in err
+    assert f"magrpo: resuming from {run / 'checkpoints' / 'step_000003'}" in err
+    (aside,) = (run / "checkpoints").glob("step_000004.before-*")
+    assert f"magrpo: {newest} is not a checkpoint folder: renamed to {aside.name}" in err
+    assert aside.read_text() == "not a checkpoint" and (newest / "COMPLETE").is_file()
+    assert comparable(run) == comparable(reference)
+
+
+def test_a_deleted_complete_marker_is_said_before_falling_back(reference, tmp_path, capsys):
+    """It used to fall back to the checkpoint before silently."""
+    run = copy_of(reference, tmp_path)
+    newest = run / "checkpoints" / "step_000004"
+    (newest / "COMPLETE").unlink()
+    code, err = cli(capsys, run, "resume=auto")
+    assert code == 0, err
+    assert f"magrpo: skipping checkpoint {newest}: no COMPLETE marker (it is written last: the write did not " \
+           f"finish, or it was deleted)" in err
+    assert f"magrpo: resuming from {run / 'checkpoints' / 'step_000003'}" in err
+    assert "magrpo: metrics.jsonl: step(s) 4 were logged after checkpoint step 3: dropped, the resumed run logs " \
+           "them again" in err
+    assert comparable(run) == comparable(reference)
+
+
+def test_deleted_logs_and_a_changed_config_are_said_on_resume(reference, tmp_path, capsys):
+    """Deleted metrics and rollouts resumed with no word that steps 1-4 were gone, and a resume with
+    other trainer.steps overwrote config.json."""
+    run = copy_of(reference, tmp_path)
+    (run / "metrics.jsonl").unlink()
+    rollouts = (run / "rollouts.jsonl").read_text().splitlines(keepends=True)
+    (run / "rollouts.jsonl").write_text("".join(rollouts[4:]))  # B=2 trees a step: steps 1 and 2 gone
+    first_config = (run / "config.json").read_text()
+    code, err = cli(capsys, run, "resume=auto", "trainer.steps=5")
+    assert code == 0, err
+    assert "magrpo: metrics.jsonl: step(s) 1-4 are missing (the file is gone); the resumed run logs from step 5 on" \
+           in err
+    assert "magrpo: rollouts.jsonl: step(s) 1-2 are missing (deleted or moved from the file); the resumed run logs " \
+           "from step 5 on" in err
+    (aside,) = run.glob("config.json.before-*")
+    assert f"magrpo: {run / 'config.json'} kept as {aside.name}: this start's config differs in logging.run_dir, " \
+           f"trainer.steps" in err  # the copy's run dir, the new steps; not resume (null -> auto)
+    assert aside.read_text() == first_config and json.loads((run / "config.json").read_text())["trainer"]["steps"] == 5
+
+
+def test_resuming_with_fewer_steps_says_there_is_nothing_left(reference, tmp_path, capsys):
+    run = copy_of(reference, tmp_path)
+    code, err = cli(capsys, run, "resume=auto", "trainer.steps=2")
+    assert code == 0, err
+    assert "magrpo: the checkpoint is at step 4, trainer.steps=2: no step left to train; raise trainer.steps to go " \
+           "on" in err
+    assert json.loads(next(run.glob("config.json.before-*")).read_text())["trainer"]["steps"] == 4
+
+
+def test_an_unchanged_config_json_is_left_alone(tmp_path):
+    from magrpo.run_io import write_config
+
+    write_config(tmp_path, {"a": 1, "resume": None})
+    write_config(tmp_path, {"a": 1, "resume": "auto"})  # how a start began is no change
+    write_config(tmp_path, {"a": 2, "resume": "auto"})
+    assert sorted(p.name for p in tmp_path.iterdir())[0] == "config.json" and len(list(tmp_path.iterdir())) == 2
+
+
+def test_resume_auto_without_a_checkpoint_says_it_starts_from_step_1(tmp_path, capsys):
+    from magrpo.checkpoint import choose
+
+    assert choose("auto", str(tmp_path), {}) is None
+    assert capsys.readouterr().err == f"magrpo: resume=auto: no checkpoint in {tmp_path}; starting from step 1\n"

@@ -12,9 +12,13 @@ import sys
 import pytest
 
 from magrpo.cli import main
+from magrpo.config import ExternalConfig
 from magrpo.envs.length_ratio import LengthRatioEnv
-from magrpo.feedback import FeedbackMode
+from magrpo.errors import FeedbackError, RewardError
+from magrpo.feedback import Feedback, FeedbackMode
+from magrpo.rollout import expand_trees
 from tests.conftest import ROOT, SMALL
+from tests.fakes import PROBLEMS, SAMPLING, FakeBackend, FakeEnv, tree_settings
 
 CALLS = {"n": 0, "fail_after": 4}  # B=2, K=2 align: 4 expanding branches per step, so call 5 is in step 2
 
@@ -73,12 +77,16 @@ def test_raising_env_method_during_a_step_is_named_with_its_turn(run_main, tmp_p
 
 
 def test_raising_env_score_keeps_its_one_line_and_logs_the_traceback(run_main, tmp_path, monkeypatch):
-    monkeypatch.setattr(LengthRatioEnv, "rewards", lambda self, problems, texts: 1 / 0)
+    def rewards(self, problems, texts):
+        return 1 / 0
+
+    monkeypatch.setattr(LengthRatioEnv, "rewards", rewards)
     code, errors, err = run_main("trainer.steps=1")
     assert code == 1 and "Traceback" not in err, err
     assert len(errors) == 1
-    assert errors[0].startswith(
-        "error: env LengthRatioEnv (magrpo.envs.length_ratio.LengthRatioEnv.score) failed on joint action 0 of turn 0"
+    assert errors[0].startswith(  # the method the env defines (rewards), not the default score that calls it
+        "error: env LengthRatioEnv (tests.test_user_code_errors.test_raising_env_score_keeps_its_one_line_and_logs_the"
+        "_traceback.<locals>.rewards) failed on joint action 0 of turn 0"
     ), errors
     assert "ZeroDivisionError: division by zero" in errors[0]
     assert "ZeroDivisionError" in (tmp_path / "run" / "error.log").read_text()
@@ -191,3 +199,41 @@ def test_raising_feedback_mode_is_one_line(run_main, tmp_path, monkeypatch, fail
     assert code == 1 and "Traceback" not in err, err
     assert errors == [line.format(run=tmp_path / "run")]
     assert (tmp_path / "run").exists() == (fail_in == "batch")  # start-up errors come before the run dir
+
+
+class OneRewardEnv(FakeEnv):
+    """Returns one reward however many joint actions it is given."""
+
+    def rewards(self, problems, joint_completions):
+        return [1.0]
+
+
+def test_an_env_returning_too_few_rewards_is_named_with_the_counts():
+    """It used to stop with `unexpected ValueError: cannot reshape array of size 1 into shape (1,2)`."""
+    env = OneRewardEnv(2)
+    settings = tree_settings(num_generations=2, num_turns=1, joint_mode="align")
+    with pytest.raises(RewardError) as e:
+        expand_trees(PROBLEMS[:1], env, FakeBackend(), Feedback(ExternalConfig(), env, lambda **kw: ["x", "y"]),
+                     settings, SAMPLING)
+    assert str(e.value) == ("env OneRewardEnv (tests.test_user_code_errors.OneRewardEnv.rewards) returned 1 score(s) "
+                            "for 2 joint actions of turn 0; return one per joint action, in order")
+
+
+@pytest.mark.parametrize("returned,says", [
+    ([1, None], "got a list whose item 0 is int 1 (2 items are not strings)"),
+    (["ok", b"bytes"], "got a list whose item 1 is bytes b'bytes'"),
+    (["only one"], "got a list of length 1"),
+    ("a string", "got str 'a string'"),
+])
+def test_feedback_returning_wrong_items_says_which_item_and_its_type(returned, says):
+    """`[1, None]` used to be told "got list of length 2": the length was right, the items were not strings."""
+    from magrpo.feedback import check_prompts
+
+    def mine(**kw):
+        return returned
+
+    with pytest.raises(FeedbackError) as e:
+        check_prompts(returned, 2, "mine", mine)
+    assert str(e.value) == ("feedback function 'mine' (tests.test_user_code_errors."
+                            "test_feedback_returning_wrong_items_says_which_item_and_its_type.<locals>.mine) must "
+                            f"return a list of 2 prompt strings (one per agent), {says}")
