@@ -294,6 +294,25 @@ def test_jsonl_path(tmp_path):
         P.load_problems("apps", "test")
 
 
+def test_a_jsonl_file_with_a_bom_loads_and_a_huge_line_is_refused(tmp_path):
+    """Both were the env's own reader: a UTF-8 BOM was 'not valid JSON', and a 60 MB line was read whole
+    (the audit's process grew to 24 GB). Now the streaming reader of magrpo.inputs serves the env."""
+    from magrpo.errors import ConfigError
+
+    row = {"task_id": "t/0", "prompt": "def f(x):\n", "test": "def check(candidate):\n    assert candidate(1)\n",
+           "entry_point": "f"}
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps(row).encode() + b"\n")
+    assert P.load_problems(str(path), "test") == [row]
+    with open(path, "w") as f:  # one 65 MB line, past the 64 MB limit
+        f.write('{"task_id": "t/0", "prompt": "')
+        for _ in range(65):
+            f.write("x" * 2 ** 20)
+        f.write('"}\n')
+    with pytest.raises(ConfigError, match=r"^env.dataset: .*bom.jsonl line 1 is longer than 67,108,864 bytes"):
+        P.load_problems(str(path), "test")
+
+
 @pytest.mark.parametrize("name,hub", [("coophumaneval", "OpenMLRL/CoopHumanEval"), ("mbpp", "OpenMLRL/MBPP")])
 def test_unshipped_dataset_offline_is_a_one_line_error(monkeypatch, tmp_path, name, hub):
     monkeypatch.setenv("HF_HOME", str(tmp_path))  # no cached copy can answer

@@ -32,7 +32,6 @@ split syntax (`test[:50%]`). Hub datasets are tried first when the hub is reacha
 from __future__ import annotations
 
 import ast
-import gzip
 import io
 import json
 import math
@@ -46,6 +45,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from magrpo.errors import MagrpoError
+from magrpo.inputs import jsonl_lines
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 FIELDS = ("task_id", "prompt", "test", "entry_point")
@@ -371,11 +371,9 @@ def _load_hub(hub: str, split: str) -> tuple[list[dict] | None, str]:
 
 def _read_jsonl(path: Path) -> list[dict]:
     """Every non-blank line as a record with the string FIELDS; DatasetError names the file and line."""
-    opener = gzip.open if path.suffix == ".gz" else open
-    try:
-        with opener(path, "rt", encoding="utf-8") as f:
-            records = [_record(path, number, line) for number, line in enumerate(f, start=1) if line.strip()]
-    except (OSError, EOFError, UnicodeDecodeError) as e:  # unreadable, a folder, a broken .gz, not UTF-8
+    try:  # streamed: a line over the size limit is refused after reading only the limit; a BOM is fine
+        records = [_record(path, number, line) for number, line in jsonl_lines(path, "env.dataset")]
+    except (OSError, EOFError) as e:  # unreadable, a folder, a broken .gz
         raise DatasetError(
             f"{path}: cannot read it ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
         ) from None
