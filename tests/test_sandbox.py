@@ -201,3 +201,15 @@ def test_hostile_programs_are_contained_for_an_unprivileged_trainer():
         assert hostile.leftovers(range(NOBODY, NOBODY + 1)) == []
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_an_older_bwrap_gets_only_the_flags_it_knows(monkeypatch):
+    """--size and --disable-userns came with bwrap 0.8; Ubuntu 22.04 ships 0.6.1, which would refuse
+    every sandbox if given them."""
+    path, version = isolation.bwrap()
+    full = isolation.bwrap_command("/lib", 40)
+    assert "--disable-userns" in full and "--size" in full
+    monkeypatch.setattr(isolation, "bwrap", lambda: (path, (0, 6, 1)))
+    old = isolation.bwrap_command("/lib", 40)
+    assert "--disable-userns" not in old and "--size" not in old
+    assert [a for a in full if a not in ("--disable-userns", "--size", str(40 << 20))] == old
