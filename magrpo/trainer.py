@@ -374,7 +374,7 @@ class Run:
 def _samples_of(rollout: Rollout, agent: int, mask_truncated: bool = False) -> list[TrainSample]:
     completions = [(node, k, c) for node in rollout.nodes for k, c in enumerate(node.completions[agent])]
     kept = kept_completions([c.finished for _, _, c in completions], mask_truncated)
-    return [TrainSample(c.prompt_ids, c.token_ids, float(node.advantages[agent, k]), c.logprobs)
+    return [TrainSample(c.prompt_ids, c.token_ids, float(node.advantages[agent, k]), c.logprobs, c.model_mask)
             for node, k, c in (completions[i] for i in kept)]
 
 

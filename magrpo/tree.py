@@ -77,13 +77,41 @@ def expanded(rewards: np.ndarray, stopped: np.ndarray, rule: str,
 
 @dataclass
 class Completion:
-    """One sampled completion: the generated token ids are the source of truth for the loss."""
+    """One sampled completion: the generated token ids are the source of truth for the loss.
+
+    A turn with tools (issue 31) interleaves model segments with inserted ones (a tool's output):
+    `model_mask` marks the tokens the model sampled; inserted tokens stay in the sequence (later
+    tokens attend to them) but never enter the loss, KL, entropy or importance weights. `logprobs`
+    holds one sampling log-prob per *model* token, in order: inserted tokens were never sampled.
+    """
 
     token_ids: list[int]
     text: str
     prompt_ids: list[int]  # the prompt as the model saw it (shared by the K samples of a request)
     finished: bool  # ended with EOS (False: cut at max_new_tokens)
-    logprobs: list[float] | None = None  # sampling log-probs, when the backend returns them
+    logprobs: list[float] | None = None  # sampling log-probs of the model tokens, when the backend returns them
+    model_mask: list[bool] | None = None  # per token: sampled by the model (None: every token)
+
+    def __post_init__(self) -> None:
+        check_model_mask(self.token_ids, self.model_mask, self.logprobs)
+
+    @classmethod
+    def from_segments(cls, segments: list[tuple[list[int], bool]], text: str, prompt_ids: list[int], finished: bool,
+                      logprobs: list[float] | None = None) -> "Completion":
+        """A turn built from (token ids, sampled by the model) segments in order, e.g. model text, a
+        tool's output, model text again; `logprobs` covers the model segments only."""
+        token_ids = [t for ids, _ in segments for t in ids]
+        mask = [model for ids, model in segments for _ in ids]
+        return cls(token_ids, text, prompt_ids, finished, logprobs, None if all(mask) else mask)
+
+
+def check_model_mask(token_ids: list[int], model_mask: list[bool] | None, logprobs: list[float] | None) -> None:
+    """ValueError unless the mask has one entry per token and the log-probs one per model token: a
+    misaligned mask would silently train on a tool's output."""
+    if model_mask is not None and len(model_mask) != len(token_ids):
+        raise ValueError(f"model_mask has {len(model_mask)} entries for {len(token_ids)} tokens")
+    if model_mask is not None and logprobs is not None and len(logprobs) != sum(model_mask):
+        raise ValueError(f"{len(logprobs)} sampling log-probs for {sum(model_mask)} model tokens")
 
 
 @dataclass

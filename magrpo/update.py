@@ -16,16 +16,27 @@ class TrainSample:
     prompt_ids: list[int]
     completion_ids: list[int]
     advantage: float
-    sampler_logprobs: list[float] | None = None  # the generation backend's log-probs of completion_ids
+    sampler_logprobs: list[float] | None = None  # the generation backend's log-probs of the model tokens
+    model_mask: list[bool] | None = None  # Completion.model_mask: False at inserted tokens (a tool's output)
+
+    @property
+    def model_tokens(self) -> int:
+        """Completion tokens the model sampled: what the loss counts."""
+        return len(self.completion_ids) if self.model_mask is None else sum(self.model_mask)
 
 
 def sampler_logprobs(samples: list[TrainSample], like: torch.Tensor) -> torch.Tensor | None:
-    """(R, C) the backend's log-probs aligned with PackedBatch.targets (0 at padding); None when any is missing."""
+    """(R, C) the backend's log-probs aligned with PackedBatch.targets (0 at padding and at inserted
+    tokens, which have none); None when any is missing."""
     if any(s.sampler_logprobs is None for s in samples):
         return None
     out = torch.zeros_like(like)
     for row, s in enumerate(samples):
-        out[row, : len(s.sampler_logprobs)] = torch.tensor(s.sampler_logprobs, dtype=out.dtype)
+        values = torch.tensor(s.sampler_logprobs, dtype=out.dtype)
+        if s.model_mask is None:
+            out[row, : len(s.sampler_logprobs)] = values
+        else:  # one log-prob per model token, in order: scatter them to the model positions
+            out[row, : len(s.model_mask)][torch.tensor(s.model_mask)] = values
     return out
 
 
@@ -37,6 +48,8 @@ class PackedBatch:
     prompt_ids, prompt_mask: (U, P) distinct prompts, left-padded (positions from the mask, as in
     generation); expand: (R,) row -> prompt; inputs: (R, C-1) completion tokens but the last,
     right-padded; attention: (R, P + C-1); positions: (R, C-1); targets, target_mask: (R, C).
+    target_mask marks the model's tokens: inserted ones (a tool's output) are attended to, as inputs,
+    but every loss term reads target_mask and so skips them.
     """
 
     prompt_ids: torch.Tensor
@@ -60,10 +73,12 @@ def pack(samples: list[TrainSample], pad_id: int) -> PackedBatch:
     prompt_mask = (torch.arange(width)[None, :] >= torch.tensor([width - len(p) for p in prompts])[:, None]).long()
     c = max(len(s.completion_ids) for s in samples)
     targets = torch.full((len(samples), c), pad_id, dtype=torch.long)
+    present = torch.zeros((len(samples), c), dtype=torch.bool)  # every completion token, inserted ones too
     target_mask = torch.zeros((len(samples), c), dtype=torch.bool)
     for row, s in enumerate(samples):
         targets[row, : len(s.completion_ids)] = torch.tensor(s.completion_ids)
-        target_mask[row, : len(s.completion_ids)] = True
+        present[row, : len(s.completion_ids)] = True
+        target_mask[row, : len(s.completion_ids)] = True if s.model_mask is None else torch.tensor(s.model_mask)
     expand_t = torch.tensor(expand)
     prompt_len = prompt_mask.sum(-1)[expand_t]
     return PackedBatch(
@@ -71,7 +86,7 @@ def pack(samples: list[TrainSample], pad_id: int) -> PackedBatch:
         prompt_mask=prompt_mask,
         expand=expand_t,
         inputs=targets[:, :-1],
-        attention=torch.cat([prompt_mask[expand_t], target_mask[:, :-1].long()], dim=-1),
+        attention=torch.cat([prompt_mask[expand_t], present[:, :-1].long()], dim=-1),
         positions=prompt_len[:, None] + torch.arange(c - 1)[None, :],
         targets=targets,
         target_mask=target_mask,
@@ -203,7 +218,7 @@ class AgentUpdater:
         s, world = settings, world or World()
         model, agent = self.agent.model, self.agent
         device = next(model.parameters()).device
-        lengths = torch.tensor([len(s.completion_ids) for s in samples], dtype=torch.long)
+        lengths = torch.tensor([s.model_tokens for s in samples], dtype=torch.long)  # inserted tokens weigh nothing
         keep = trained_rows(samples, s.per_token_coef)
         num_sequences, num_tokens, num_kept = counts or self.batch_counts(samples, s.per_token_coef, world)
         weights = sequence_weights(s.loss_agg, lengths, s.max_new_tokens, int(num_sequences), int(num_tokens))
@@ -252,7 +267,10 @@ class AgentUpdater:
         lr = self.scheduler.get_last_lr()[0]
         if not skipped:  # the schedule counts updates that happened
             self.scheduler.step()
-        totals.update(trained_tokens=float(lengths[keep].sum()), trained_seqs=float(len(keep)))
+        totals.update(trained_tokens=float(lengths[keep].sum()), trained_seqs=float(len(keep)),
+                      inserted_tokens=float(sum(len(x.completion_ids) - x.model_tokens for x in samples)),
+                      completion_tokens=float(sum(len(x.completion_ids) for x in samples)),
+                      masked_rows=float(sum(x.model_mask is not None for x in samples)))
         summed, mismatch = world.sum_dict(totals), world.sum_dict(mismatch)
         tokens = max(1.0, summed["trained_tokens"])
         out = {
@@ -266,6 +284,8 @@ class AgentUpdater:
             "trained_seqs": summed["trained_seqs"],
             "skipped_updates": float(skipped),
         }
+        if summed["masked_rows"]:  # some completion carried inserted tokens (tools): their share, out of the loss
+            out["masked_token_share"] = summed["inserted_tokens"] / max(1.0, summed["completion_tokens"])
         if summed["trained_seqs"]:  # entropy of the policy on the tokens it trained on (none trained: no number)
             out["entropy"] = summed["entropy_sum"] / tokens
         if mismatch["tokens"]:  # the backend returned log-probs: how far its sampler is from the trainer
@@ -276,8 +296,8 @@ class AgentUpdater:
         return out
 
     def batch_counts(self, samples: list[TrainSample], kl_coef: float, world: World) -> tuple[float, float, float]:
-        """(sequences, completion tokens, trained sequences) over all ranks: the loss normalisers."""
-        tokens = sum(len(s.completion_ids) for s in samples)
+        """(sequences, model tokens, trained sequences) over all ranks: the loss normalisers."""
+        tokens = sum(s.model_tokens for s in samples)
         return tuple(world.sum_floats([len(samples), tokens, len(trained_rows(samples, kl_coef))]))
 
     def _sum_gradients(self, world: World) -> None:
