@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import inspect
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 from .env import CompletionInfo
@@ -48,9 +48,10 @@ CALL_ARGUMENTS = frozenset({"prompt", "agent_completions", "num_agents", "prompt
 
 def feedback_context(branch: Branch, options: Mapping[str, Any]) -> dict[str, Any]:
     """What feedback receives as **context, by precedence: the env's context over magrpo's `options`
-    (the external.* switches) and `completion_info` (per agent), those over the problem's fields; a
-    name of the call's own arguments is left out (`prompt` is the argument already)."""
-    merged = {**branch.problem, "options": options, "completion_info": list(branch.completion_info),
+    (the external.* switches) and `completion_info` (per agent, as a dict: context stays plain data
+    that a function can log as JSON), those over the problem's fields; a name of the call's own
+    arguments is left out (`prompt` is the argument already)."""
+    merged = {**branch.problem, "options": options, "completion_info": [asdict(i) for i in branch.completion_info],
               **branch.context}
     return {k: v for k, v in merged.items() if k not in CALL_ARGUMENTS}
 

@@ -9,6 +9,8 @@ a leaf anyway, so the done/truncated counts leave it out.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -18,6 +20,7 @@ from magrpo.env import Scored
 from magrpo.errors import RewardError
 from magrpo.evaluation import run_paths
 from magrpo.rollout import TreeSettings, expand_trees
+from magrpo.run_io import tree_records
 from magrpo.trainer import _metrics
 from magrpo.tree import count_leaves
 from tests.fakes import (
@@ -165,3 +168,29 @@ def test_evaluation_paths_stop_on_truncation_as_training_does():
         paths = run_paths(PROBLEMS, env, FakeBackend(cut=lambda agent, k: agent == 1), serial(fb, env), 2, SAMPLING,
                           stop_on_truncation=stop)
         assert len(calls) == expected and len(paths[1]) == 2  # a stopped path's answer stands for turn 1
+
+
+def test_the_documented_score_example_ends_a_solved_episode():
+    doc = (Path(__file__).parent.parent / "docs" / "environments.md").read_text()
+    block = doc.split("## Episodes the env ends")[1].split("```python\n")[1].split("```")[0]
+    head, method = block.split("\n\n", 1)  # the import, then the method (indented as in a class)
+    namespace = {"FakeEnv": FakeEnv}
+    exec(f"{head}\n\nclass Documented(FakeEnv):\n{method}", namespace)
+    # FakeBackend numbers completions in order: agent 1's k=1 at the root is the 4th, "a1k1u4"
+    rollout = expand_trees([{"prompt": "P", "answer": "a1k1u4"}], namespace["Documented"](2),
+                           FakeBackend(cut=agent1_k0_cut), serial(plain_feedback, FakeEnv(2)),
+                           tree_settings(num_generations=2, num_turns=2), SAMPLING)
+    root = rollout.nodes[0]
+    assert root.rewards.tolist() == [-0.5, 1.0] and root.done.tolist() == [False, True]
+    assert len(rollout.nodes) == 2  # only the unsolved joint action got a child
+
+
+def test_rollout_records_say_what_ended_a_branch_and_nothing_otherwise():
+    rollout = expand(DoneEnv(2, done=lambda texts: k_of(texts[1]) == 0), "cross", 2,
+                     FakeBackend(cut=agent1_k0_cut), stop_on_truncation=True)
+    root = tree_records(1, rollout.problems, rollout.nodes)[0]["nodes"][0]
+    ended = [{k: ja[k] for k in ("done", "truncated") if k in ja} for ja in root["joint_actions"]]
+    assert ended == [{"done": True, "truncated": True}, {}, {"done": True, "truncated": True}, {}]
+    plain = expand(FakeEnv(2), "align", 2)
+    nodes = tree_records(1, plain.problems, plain.nodes)[0]["nodes"]
+    assert not any("done" in ja or "truncated" in ja for node in nodes for ja in node["joint_actions"])

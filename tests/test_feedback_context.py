@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -90,7 +91,7 @@ def test_feedback_sees_per_agent_whether_each_completion_was_truncated():
     fn = Recorder()
     expand(FakeEnv(2), fn, backend=FakeBackend(cut=lambda agent, k: agent == 1 and k == 0))
     # align: expanding joint action j holds completion k = j of every agent
-    infos = sorted([i.truncated for i in c["completion_info"]] for c in fn.contexts)
+    infos = sorted([i["truncated"] for i in c["completion_info"]] for c in fn.contexts)
     assert infos == [[False, False], [False, False], [False, True], [False, True]]
 
 
@@ -128,3 +129,17 @@ def test_a_problem_without_prompt_is_a_start_up_error_naming_the_env(make_cfg):
     assert "NoPromptEnv.problems('train') returned problem 1 without a 'prompt' key (it has: question, answer)" in (
         message)
     assert "\n" not in message
+
+
+def test_the_documented_column_example_runs(tmp_path, monkeypatch):
+    doc = (Path(__file__).parent.parent / "docs" / "feedback.md").read_text()
+    code = "# hint_feedback.py" + doc.split("```python\n# hint_feedback.py")[1].split("```")[0]
+    (tmp_path / "hint_feedback.py").write_text(code)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from hint_feedback import hint
+
+    problems = [{"prompt": "Add 2 and 3.", "hint": "count on from 3", "offset": 0.0}]
+    rollout = expand(FakeEnv(2), hint, problems, backend=FakeBackend(cut=lambda agent, k: agent == 1 and k == 0))
+    first, second = (rollout.nodes[c] for c in rollout.nodes[0].children)  # joint actions k = 0 and k = 1
+    assert first.prompts[0].startswith("Add 2 and 3.::agent0") and "Hint: count on from 3" in first.prompts[0]
+    assert "cut off" in first.prompts[1] and "cut off" not in first.prompts[0] + "".join(second.prompts)
