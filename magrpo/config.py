@@ -87,9 +87,12 @@ class TrainerConfig:
     spelling) = align."""
     early_termination_threshold: Optional[float] = None
     """A joint action whose reward >= this gets no child; null = never stop early."""
+    stop_on_truncation: bool = False
+    """End a branch (a leaf, its reward still counts) when any agent's chosen completion of the joint action was cut at
+    generation.max_new_tokens (ms-swift's default, which ends the episode on a truncated reply); false = keep going."""
     expand: str = "all"
     """Which joint actions of a node get a child (the rest are leaves, G = r): all | top:M (the M highest rewards) |
-    random:M (M at random, seeded); applied after early termination."""
+    random:M (M at random, seeded); applied after early termination, the env's done and stop_on_truncation."""
     advantage_estimator: str = "tree_grpo"
     """How rewards become per-completion advantages: tree_grpo (returns up the tree with trainer.discount, credit
     per agent with trainer.cross_credit, grouped baselines: trainer.baseline, group_by, advantage_scale); plugins

@@ -10,6 +10,15 @@ from .errors import ConfigError, EnvError, describe, qualified_name, user_code
 from .registry import ENV_HINT, Registry
 
 
+@dataclass(frozen=True)
+class CompletionInfo:
+    """What the env and feedback see of one agent's completion besides its text (score's
+    `completion_info`, feedback's context["completion_info"])."""
+
+    truncated: bool  # cut at generation.max_new_tokens (no EOS)
+    # Issue 31: the completion's tool calls go here once tools inside a turn exist.
+
+
 @dataclass
 class Scored:
     """What the env says about one joint action."""
@@ -20,6 +29,7 @@ class Scored:
     agent_rewards: list[float] | None = (
         None  # one reward per agent (reward stays the team's); mixed by reward.team_weight
     )
+    done: bool | None = None  # True: the episode ends here, the branch is a leaf (None, False: it goes on)
 
 
 class Environment:
@@ -80,11 +90,23 @@ class Environment:
     def score(self, problems: Sequence[Mapping[str, Any]], joint_completions: Sequence[Sequence[str]]) -> list[Scored]:
         """Reward, outcomes and feedback context per joint action, in one pass (the trainer calls
         only this). Override it when feedback needs what scoring found (test results, errors), so
-        feedback never re-runs the work. Default: outcomes() with an empty context."""
+        feedback never re-runs the work, or to end episodes (Scored.done). An override that takes a
+        `completion_info` keyword also gets, per joint action, one CompletionInfo per agent (was it
+        truncated). Default: outcomes() with an empty context."""
         return [Scored(o["reward"], o) for o in self.outcomes(problems, joint_completions)]
 
 
 ENVS: Registry[type[Environment]] = Registry("env")
+
+
+def check_problem_prompts(env: Environment, problems: Sequence[Any], split: str) -> None:
+    """Every problem is a mapping with a "prompt" (feedback's `prompt`): an EnvError naming the env's
+    problems() and the first problem without one, at start-up rather than mid-run."""
+    for i, problem in enumerate(problems):
+        if not isinstance(problem, Mapping) or "prompt" not in problem:
+            keys = ", ".join(map(str, problem)) if isinstance(problem, Mapping) else type(problem).__name__
+            raise EnvError(f"{qualified_name(type(env))}.problems({split!r}) returned problem {i} without a 'prompt' "
+                           f"key (it has: {keys or 'nothing'}); every problem needs its statement under 'prompt'")
 
 
 def call_env(env: Environment, method: str, *args: Any, where: str) -> Any:

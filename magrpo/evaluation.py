@@ -35,7 +35,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 def run_paths(problems, env, backend, feedback, num_turns, sampling, seed: int | None = None,
               world: World | None = None, early_termination_threshold: float | None = None,
-              on_reward_error: str = "raise") -> dict[int, list[tuple[int, dict]]]:
+              on_reward_error: str = "raise", stop_on_truncation: bool = False) -> dict[int, list[tuple[int, dict]]]:
     """turn -> [(problem index, outcomes)] for one K=1 path per problem, in problem order. With
     several processes each runs its share of the problems and rank 0 gets them all (others: {})."""
     world = world or World()  # one process
@@ -45,7 +45,8 @@ def run_paths(problems, env, backend, feedback, num_turns, sampling, seed: int |
         # One path per problem (K=1): each turn's single joint action, grown until the turn limit or a stop.
         settings = TreeSettings(num_generations=1, num_turns=num_turns, joint_mode="align",
                                 early_termination_threshold=early_termination_threshold,
-                                on_reward_error=on_reward_error, expand="all", resample_zero_std=0,
+                                stop_on_truncation=stop_on_truncation, on_reward_error=on_reward_error,
+                                expand="all", resample_zero_std=0,
                                 cross_credit="mean", team_weight=1.0, overlap_chunks=1)
         rollout = expand_trees(problems[start:stop], env, backend, feedback, settings, sampling,
                                seed=seed, tree_offset=start)
@@ -77,12 +78,14 @@ def evaluate(
     world: World | None = None,
     early_termination_threshold: float | None = None,
     on_reward_error: str = "raise",
+    stop_on_truncation: bool = False,
 ) -> dict[str, float]:
     """Eval metrics (on rank 0 when several processes share the problems); `seed` keys the sampled
     paths' streams; paths stop early, and score errors are handled, as in training."""
     start = time.perf_counter()
     out: dict[str, float] = {}
-    stop = dict(early_termination_threshold=early_termination_threshold, on_reward_error=on_reward_error)
+    stop = dict(early_termination_threshold=early_termination_threshold, on_reward_error=on_reward_error,
+                stop_on_truncation=stop_on_truncation)
     greedy = run_paths(problems, env, backend, feedback, num_turns, replace(sampling, greedy=True), world=world, **stop)
     repeated = [p for p in problems for _ in range(num_samples)]
     sampled = (

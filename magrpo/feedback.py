@@ -3,9 +3,11 @@
 A feedback function is called once per expanding branch as
     fn(prompt, agent_completions, num_agents, prompt_history_per_agent, response_history_per_agent, **context)
 and returns one next-turn prompt per agent. Histories cover that branch only, up to and including
-the current turn. `context` holds what the env found when it scored this joint action (for the code
-env: entry point, tests, execution results) plus `options` (the external.* switches), so a mode never
-re-runs the env's work. A function that does not take `**context` gets only the keys it names.
+the current turn. `context` holds the problem's fields (dataset columns), what the env found when it
+scored this joint action (for the code env: entry point, tests, execution results; it wins over a
+column of the same name), `options` (the external.* switches) and `completion_info` (per agent: was the
+completion truncated), so a mode never re-runs the env's work (feedback_context). A function that does
+not take `**context` gets only the keys it names.
 
 The trainer hands all expanding branches of a turn to `Feedback` at once: per-branch functions are
 mapped over them in a thread pool (external.max_concurrency), and a `FeedbackMode` subclass (for
@@ -15,9 +17,10 @@ from __future__ import annotations
 
 import inspect
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Mapping, Sequence
 
+from .env import CompletionInfo
 from .errors import ConfigError, FeedbackError, describe, qualified_name, user_code
 from .plugins import import_module
 from .registry import FEEDBACK_HINT, Registry
@@ -33,7 +36,24 @@ class Branch:
     agent_completions: list[str]  # this turn's chosen completion per agent
     prompt_history: list[list[str]]  # per agent: prompts up to and including this turn
     response_history: list[list[str]]  # per agent: completions up to and including this turn
-    context: dict[str, Any] = field(default_factory=dict)
+    context: dict[str, Any] = field(default_factory=dict)  # the env's, from Scored.context
+    problem: Mapping[str, Any] = field(default_factory=dict)  # the problem's fields (dataset columns)
+    completion_info: list[CompletionInfo] = field(default_factory=list)  # per agent: this turn's completion
+
+
+# The call's own arguments: a problem field or context key of one of these names is not passed again.
+CALL_ARGUMENTS = frozenset({"prompt", "agent_completions", "num_agents", "prompt_history_per_agent",
+                            "response_history_per_agent"})
+
+
+def feedback_context(branch: Branch, options: Mapping[str, Any]) -> dict[str, Any]:
+    """What feedback receives as **context, by precedence: the env's context over magrpo's `options`
+    (the external.* switches) and `completion_info` (per agent, as a dict: context stays plain data
+    that a function can log as JSON), those over the problem's fields; a name of the call's own
+    arguments is left out (`prompt` is the argument already)."""
+    merged = {**branch.problem, "options": options, "completion_info": [asdict(i) for i in branch.completion_info],
+              **branch.context}
+    return {k: v for k, v in merged.items() if k not in CALL_ARGUMENTS}
 
 
 class FeedbackMode:
@@ -89,7 +109,7 @@ def resolve_feedback(mode: str) -> FeedbackTarget:
     return fn
 
 
-def _accepted(fn: Callable) -> Callable[[dict], dict]:
+def accepted(fn: Callable) -> Callable[[dict], dict]:
     """Which context keys `fn` takes: all when it has **kwargs, else the ones it names."""
     try:
         params = inspect.signature(fn).parameters.values()
@@ -103,7 +123,7 @@ def _accepted(fn: Callable) -> Callable[[dict], dict]:
 
 def call_feedback(fn: FeedbackFn, name: str, branch: Branch, select: Callable[[dict], dict] | None = None) -> list[str]:
     num_agents = len(branch.agent_completions)
-    select = select or _accepted(fn)
+    select = select or accepted(fn)
     with user_code(lambda e: raised(name, fn, f"at turn {turn_of([branch])}", e)):
         # Copies: the tree keeps these lists, and a function that edits its arguments must not corrupt it.
         prompts = fn(
@@ -175,7 +195,7 @@ class Feedback:
         with user_code(lambda e: raised(self.name, target, "at start-up", e)):
             self.mode = target(external_cfg, env) if is_mode else None
         self.fn = None if self.mode is not None else target
-        self._select = _accepted(self.fn) if self.fn is not None else None
+        self._select = accepted(self.fn) if self.fn is not None else None
         self.env = env
 
     def check(self) -> None:
@@ -195,7 +215,7 @@ class Feedback:
 
     def __call__(self, branches: list[Branch]) -> list[list[str]]:
         for branch in branches:
-            branch.context.setdefault("options", self.options)
+            branch.context = feedback_context(branch, self.options)
         if self.mode is not None:
             failed = lambda e: raised(self.name, self.mode.batch, f"at turn {turn_of(branches)}", e)  # noqa: E731
             with user_code(failed, keep=(FeedbackError,)):

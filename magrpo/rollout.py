@@ -19,9 +19,9 @@ import numpy as np
 
 from .advantage import all_groups_flat, own_values
 from .backends import GenerationBackend
-from .env import Environment, Scored, call_env
+from .env import CompletionInfo, Environment, Scored, call_env
 from .errors import RewardError, describe, qualified_name
-from .feedback import Branch
+from .feedback import Branch, accepted
 from .generation import GenerationRequest, SamplingParams
 from .sampling import stream_key
 from .tree import Completion, Node, expanded, joint_actions
@@ -36,6 +36,7 @@ class TreeSettings:
     num_turns: int
     joint_mode: str
     early_termination_threshold: float | None
+    stop_on_truncation: bool  # a joint action with any chosen completion cut at max_new_tokens gets no child
     on_reward_error: str  # raise | zero (the joint action scores 0 and gets no child)
     expand: str  # all | top:M | random:M: which joint actions of a node get a child (tree.expanded)
     resample_zero_std: int  # regenerate a node whose agent groups all got equal rewards, up to this many times
@@ -49,7 +50,8 @@ class TreeSettings:
         trainer = cfg.trainer
         return cls(num_generations=trainer.num_generations, num_turns=trainer.num_turns,
                    joint_mode=trainer.joint_mode, early_termination_threshold=trainer.early_termination_threshold,
-                   on_reward_error=cfg.reward.on_error, expand=trainer.expand,
+                   stop_on_truncation=trainer.stop_on_truncation, on_reward_error=cfg.reward.on_error,
+                   expand=trainer.expand,
                    resample_zero_std=trainer.resample_zero_std, cross_credit=trainer.cross_credit,
                    team_weight=cfg.reward.team_weight, overlap_chunks=cfg.generation.overlap_chunks)
 
@@ -59,11 +61,13 @@ RESAMPLE_DRAWS = 0x52534D50  # the same for the regenerated samples of dynamic s
 
 
 def score_guarded(
-    env: Environment, owners: list, texts: list, on_error: str, turn: int
+    env: Environment, owners: list, texts: list, infos: list[list[CompletionInfo]], on_error: str, turn: int
 ) -> tuple[list[Scored], list[bool]]:
-    """env.score over a whole turn; on failure, each joint action alone, to name (raise) or zero the bad ones."""
+    """env.score over a whole turn; on failure, each joint action alone, to name (raise) or zero the bad ones.
+    `infos` (per joint action, per agent) reach a score() that takes a `completion_info` keyword."""
+    takes = accepted(env.score)
     try:
-        scored = env.score(owners, texts)
+        scored = env.score(owners, texts, **takes({"completion_info": infos}))
         if all(bad_score(s, len(t)) is None for s, t in zip(scored, texts)):
             if len(scored) != len(texts):  # the env's bug, not one joint action's: no retry one by one
                 raise RewardError(f"env {type(env).__name__} ({scoring_method(env)}) returned {len(scored)} "
@@ -77,7 +81,7 @@ def score_guarded(
     out, failed = [], []
     for i, (owner, joint_texts) in enumerate(zip(owners, texts)):
         try:
-            (one,) = env.score([owner], [joint_texts])
+            (one,) = env.score([owner], [joint_texts], **takes({"completion_info": [infos[i]]}))
             error = bad_score(one, len(joint_texts))
         except Exception as e:  # noqa: BLE001
             error = describe(e)
@@ -102,9 +106,11 @@ def scoring_method(env: Environment) -> str:
 
 def bad_score(scored: Scored, num_agents: int) -> str | None:
     """Why a score cannot be used (a non-finite reward, per-agent rewards that are not one finite
-    number per agent), or None."""
+    number per agent, a done that is not a bool or None), or None."""
     if not np.isfinite(scored.reward):
         return f"non-finite reward {scored.reward}"
+    if scored.done is not None and not isinstance(scored.done, (bool, np.bool_)):
+        return f"done must be True, False or None, got {scored.done!r}"
     own = scored.agent_rewards
     if own is not None and (len(own) != num_agents or not np.all(np.isfinite(np.asarray(own, dtype=np.float64)))):
         return f"agent_rewards must be {num_agents} finite numbers (one per agent), got {own!r}"
@@ -160,7 +166,7 @@ class Branching:
     """The joint actions of a run of nodes that get a child (phase 4), with the next-turn prompts the
     feedback wrote for them."""
 
-    terminated: int  # joint actions stopped by early termination or a failed score
+    terminated: int  # joint actions stopped before the turn limit (early termination, done, truncation, failed score)
     parents: list[tuple[int, int]]  # per branch: (index of its node in the turn's level, joint action)
     branches: list[Branch]
     prompts: list[list[str]]  # per branch: one next-turn prompt per agent
@@ -276,8 +282,9 @@ class TreeExpander:
         t0 = time.perf_counter()
         n, joint = self.n, self.joint
         texts = [[node.completions[a][j[a]].text for a in range(n)] for node in nodes for j in joint]
+        infos = [self.completion_info(node, j) for node in nodes for j in range(len(joint))]
         owners = [self.problems[node.tree] for node in nodes for _ in joint]
-        scored, failed = score_guarded(self.env, owners, texts, self.tree.on_reward_error, turn)
+        scored, failed = score_guarded(self.env, owners, texts, infos, self.tree.on_reward_error, turn)
         shape = (len(nodes), len(joint))
         rewards = np.asarray([s.reward for s in scored], dtype=np.float64).reshape(shape)
         own = None
@@ -288,6 +295,10 @@ class TreeExpander:
             node.agent_rewards = None if own is None else own[i]
         self.rollout.timings["reward_s"] += time.perf_counter() - t0
         return TurnScores(scored, rewards, np.asarray(failed, dtype=bool).reshape(shape))
+
+    def completion_info(self, node: Node, j: int) -> list[CompletionInfo]:
+        """What the env and feedback see of joint action j's completions besides their texts, per agent."""
+        return [CompletionInfo(truncated=not node.completions[a][self.joint[j][a]].finished) for a in range(self.n)]
 
     def resample(self, level: list[Node], turn: int, scores: TurnScores) -> TurnScores:
         """Phase 3 (dynamic sampling): regenerate and rescore the nodes whose every agent group got equal
@@ -315,10 +326,16 @@ class TreeExpander:
         for i, node in enumerate(nodes):
             node.rewards = scores.rewards[i]
             node.outcomes = [s.outcomes for s in scores.scored[i * width : (i + 1) * width]]
-            stop = scores.failed[i].copy()
+            done = np.array([bool(s.done) for s in scores.scored[i * width : (i + 1) * width]])
+            truncated = np.array([tree.stop_on_truncation and any(c.truncated for c in self.completion_info(node, j))
+                                  for j in range(width)])
+            stop = scores.failed[i] | done | truncated
             if tree.early_termination_threshold is not None:
                 stop |= node.rewards >= tree.early_termination_threshold
-            node.terminated = np.zeros(width, dtype=bool) if last else stop
+            # at the turn limit every joint action is a leaf anyway: nothing stopped it early
+            if last:
+                stop, done, truncated = (np.zeros(width, dtype=bool) for _ in range(3))
+            node.terminated, node.done, node.truncated = stop, done, truncated
             out.terminated += int(node.terminated.sum())
             node.children = [None] * width
             if last:
@@ -334,12 +351,14 @@ class TreeExpander:
         return out
 
     def branch_of(self, node: Node, j: int, context: Mapping[str, Any]) -> Branch:
-        """What the feedback sees of joint action j of `node`: its texts, both histories, the env's context."""
+        """What the feedback sees of joint action j of `node`: its texts, both histories, the env's context,
+        the problem's fields and each completion's info."""
         chosen = [node.completions[a][self.joint[j][a]].text for a in range(self.n)]
-        return Branch(prompt=self.problems[node.tree]["prompt"], agent_completions=chosen,
+        problem = self.problems[node.tree]
+        return Branch(prompt=problem["prompt"], agent_completions=chosen,
                       prompt_history=[list(h) for h in node.prompt_history],
                       response_history=[node.response_history[a] + [chosen[a]] for a in range(self.n)],
-                      context=context)
+                      context=context, problem=problem, completion_info=self.completion_info(node, j))
 
     def grow(self, level: list[Node], first_id: int, turn: int, branchings: list[Branching]) -> list[Node]:
         """Phase 5: one child per branch, with the feedback's prompts; returns the next turn's level."""

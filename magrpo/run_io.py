@@ -193,6 +193,7 @@ def tree_records(step: int, problems: Sequence[Mapping[str, Any]], nodes: list[N
                     "terminated": bool(node.terminated[j]),
                     "child": None,  # filled below once the child's local id is known
                     **per_agent(node, j),
+                    **ended_by(node, j),
                 }
                 for j in range(len(node.joint))
             ],
@@ -214,6 +215,12 @@ def per_agent(node: Node, j: int) -> dict[str, list[float]]:
     if node.agent_returns is not None:
         out["agent_returns"] = node.agent_returns[j].tolist()
     return out
+
+
+def ended_by(node: Node, j: int) -> dict[str, bool]:
+    """What ended joint action j before the turn limit: the env's done, truncation (keys absent otherwise)."""
+    return {key: True for key, flags in (("done", node.done), ("truncated", node.truncated))
+            if flags is not None and flags[j]}
 
 
 def wandb_mode(setting: str) -> str:

@@ -19,7 +19,7 @@ from .backends import make_backend
 from .config import TrainConfig, check_finite
 from .console import StopSignals, progress_bar, startup_line, summary_line
 from .distributed import World, world_from_env
-from .env import Environment, call_env, make_env
+from .env import Environment, call_env, check_problem_prompts, make_env
 from .errors import ConfigError, Stopped, TrainingError, log_traceback
 from .evaluation import evaluate
 from .feedback import Feedback, FeedbackTarget, mode_for
@@ -98,6 +98,7 @@ def _check_split(env: Environment, split: str, max_chars: int) -> None:
     leave nothing to sample, a huge record take the machine's memory once encoded."""
     problems = call_env(env, "problems", split, where=f"loading the {split} split")
     check_problem_sizes(problems, split, max_chars)
+    check_problem_prompts(env, problems, split)
     if not problems:
         key = env.split_keys.get(split, "env")
         value = getattr(env.cfg, key.partition(".")[2], None)
@@ -304,7 +305,7 @@ class Run:
         out = evaluate(self.env, self.backend, self.feedback, self.eval_problems, trainer.num_turns, self.sampling,
                        self.cfg.eval.num_samples, seed=stream_key(trainer.seed, step, EVAL_STREAM), world=self.world,
                        early_termination_threshold=trainer.early_termination_threshold,
-                       on_reward_error=self.cfg.reward.on_error)
+                       on_reward_error=self.cfg.reward.on_error, stop_on_truncation=trainer.stop_on_truncation)
         if self.world.is_main:
             last = trainer.num_turns - 1
             summary = ", ".join(
@@ -404,6 +405,8 @@ def _metrics(rollout: Rollout, agent_stats: list[dict], num_turns: int) -> dict[
         "tree/nodes": len(nodes),
         "tree/leaves": count_leaves(nodes),
         "tree/joint_actions": sum(len(n.joint) for n in nodes),
+        "tree/done_leaves": int(sum(n.done.sum() for n in nodes)),  # ended by the env (Scored.done)
+        "tree/truncated_leaves": int(sum(n.truncated.sum() for n in nodes)),  # by trainer.stop_on_truncation
     }
     for turn in range(num_turns):
         at = [n for n in nodes if n.turn == turn]

@@ -60,9 +60,10 @@ def parse_expand(rule: str) -> tuple[str, int]:
 def expanded(rewards: np.ndarray, stopped: np.ndarray, rule: str,
              draw_key: Callable[[int], int] | None = None) -> np.ndarray:
     """(J,) bool: the joint actions of a node that get a child. Stopped ones (turn limit, early
-    termination, a failed score) never do; of the rest, all, the M with the highest reward (ties:
-    the lower index), or M at random: those with the smallest `draw_key(j)` (a hash per joint
-    action, so the choice does not depend on the rest of the batch; called for random:M only)."""
+    termination, the env's done, truncation, a failed score) never do; of the rest, all, the M
+    with the highest reward (ties: the lower index), or M at random: those with the smallest
+    `draw_key(j)` (a hash per joint action, so the choice does not depend on the rest of the batch;
+    called for random:M only)."""
     name, m = parse_expand(rule)
     candidates = [j for j in range(len(rewards)) if not stopped[j]]
     if name == "top":
@@ -127,7 +128,9 @@ class Node:
     rewards: np.ndarray | None = None  # (J,) the team reward
     agent_rewards: np.ndarray | None = None  # (J, N) each agent's own reward, when the env gives them
     outcomes: list[dict[str, float]] = field(default_factory=list)  # (J,) the env's named numbers
-    terminated: np.ndarray | None = None  # (J,) bool: early termination stopped this branch
+    terminated: np.ndarray | None = None  # (J,) bool: stopped before the turn limit (any reason below, a failed score)
+    done: np.ndarray | None = None  # (J,) bool: of those, the env ended the episode (Scored.done)
+    truncated: np.ndarray | None = None  # (J,) bool: of those, trainer.stop_on_truncation (a chosen completion was cut)
     children: list[int | None] = field(default_factory=list)  # (J,) child node id or None (leaf)
     returns: np.ndarray | None = None  # (J,) from the team rewards
     agent_returns: np.ndarray | None = None  # (J, N) from each agent's mixed rewards (reward.team_weight < 1)
@@ -137,5 +140,6 @@ class Node:
 
 
 def count_leaves(nodes: list[Node]) -> int:
-    """Joint actions with no child: finished by the turn limit or by early termination."""
+    """Joint actions with no child: finished by the turn limit, early termination, the env's done,
+    truncation (trainer.stop_on_truncation), a failed score or trainer.expand."""
     return sum(sum(c is None for c in node.children) for node in nodes)

@@ -44,9 +44,11 @@ def update_settings(**changes) -> UpdateSettings:
 
 
 class FakeBackend:
-    """`request.n` completions per request, texts "a{agent}k{k}u{uid}" with a globally unique uid."""
+    """`request.n` completions per request, texts "a{agent}k{k}u{uid}" with a globally unique uid;
+    `cut(agent, k)` True: that completion is truncated (finished=False)."""
 
-    def __init__(self):
+    def __init__(self, cut: Callable[[int, int], bool] = lambda agent, k: False):
+        self.cut = cut
         self.generate_calls = 0
         self.sync_calls = 0
         self.origin: dict[int, tuple[str, int]] = {}  # uid -> (prompt, agent) of the request it answered
@@ -63,7 +65,7 @@ class FakeBackend:
                 self._uid += 1
                 self.origin[self._uid] = (r.prompt, r.agent)
                 comps.append(Completion(token_ids=[k + 1, self._uid % 50], text=f"a{r.agent}k{k}u{self._uid}",
-                                        prompt_ids=[len(r.prompt) % 50], finished=True))
+                                        prompt_ids=[len(r.prompt) % 50], finished=not self.cut(r.agent, k)))
             out.append(comps)
         return out
 

@@ -61,9 +61,12 @@ def test_custom_feedback_receives_the_code_env_context_and_branch_histories(run_
     assert code == 0, err
     calls = [json.loads(line) for line in open(tmp_path / "calls.jsonl")]
     assert len(calls) == 2 * 2  # B=2 trees, K=2 align, T=2: turn 0 expands
+    problems = [t["problem"] for t in map(json.loads, open(tmp_path / "run" / "rollouts.jsonl"))]
     for call in calls:
         context = call["context"]
-        assert set(context) == CodeEnv.context_keys | {"options"}
+        # the problem's fields (HumanEval's columns, prompt aside) under the env's context, options, completion_info
+        assert set(context) == CodeEnv.context_keys | {"options", "completion_info"} | (set(problems[0]) - {"prompt"})
+        assert [set(info) for info in context["completion_info"]] == [{"truncated"}] * 2
         assert context["options"] == {"original_prompt": True, "history": True, "show_partner": False}
         assert context["entry_point"] in call["prompt_history_per_agent"][1][0]
         assert context["total"] == len(context["tests"]) > 0
