@@ -121,3 +121,48 @@ def text_encoder(agents) -> EncodeText:
         return list(agents[agent].tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
 
     return encode
+
+
+class ToolBackend:
+    """A GenerationBackend whose `generate` makes the turn's tool calls (training and evaluation
+    alike); every other member is the wrapped backend's. `metrics` adds the tool numbers since the
+    last call (tools/calls, tools/errors/<kind>, tools/seconds)."""
+
+    def __init__(self, inner, settings: ToolSettings, encode_text: EncodeText):
+        self.inner, self.settings, self.encode_text = inner, settings, encode_text
+        self.batch_setting = inner.batch_setting
+        self.stats = ToolStats()
+
+    @property
+    def generate_calls(self) -> int:
+        return self.inner.generate_calls
+
+    @property
+    def generated_tokens(self) -> int:
+        return self.inner.generated_tokens
+
+    def generate(self, requests: Sequence[GenerationRequest], params: SamplingParams) -> list[list[Completion]]:
+        return generate_with_tools(self.inner, requests, params, self.settings, self.encode_text, self.stats)
+
+    def halve_batch(self) -> int | None:
+        return self.inner.halve_batch()
+
+    def sync_weights(self) -> None:
+        self.inner.sync_weights()
+
+    def sleep(self) -> None:
+        self.inner.sleep()
+
+    def metrics(self) -> dict[str, float]:
+        out = {**self.inner.metrics(), **self.stats.metrics()}
+        self.stats = ToolStats()
+        return out
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def with_tools(backend, cfg, agents):
+    """`backend` itself when no tool is configured (generation exactly as before), else wrapped."""
+    settings = ToolSettings.of(cfg)
+    return backend if settings is None else ToolBackend(backend, settings, text_encoder(agents))

@@ -329,3 +329,39 @@ def test_hf_continuation_resumes_the_same_greedy_turn(tiny_backend):
                                      SamplingParams(max_new_tokens=7, greedy=True))
     assert rest.prompt_ids == whole.prompt_ids + list(head)
     assert list(head) + rest.token_ids == whole.token_ids
+
+
+def test_tool_backend_implements_the_whole_protocol():
+    from magrpo.tool_loop import ToolBackend
+    from tests.test_backend_interface import attributes_set_by_init, protocol_members
+
+    methods, attributes = protocol_members()
+    assert methods | attributes <= attributes_set_by_init(ToolBackend)
+
+
+def test_make_backend_wraps_only_when_tools_are_configured(make_cfg):
+    from magrpo.backends import make_backend
+    from magrpo.backends.hf import HFBackend
+    from magrpo.tool_loop import ToolBackend
+
+    assert type(make_backend(make_cfg(), [])) is HFBackend
+    assert type(make_backend(make_cfg("tools=[calculator]"), [])) is ToolBackend
+
+
+@pytest.mark.slow
+def test_a_training_run_calls_tools_and_masks_their_output(make_cfg, monkeypatch):
+    """The tiny model never writes `<tool_call>`: here any text ending in "e" is a call of the
+    calculator, so a real run stops, calls, resumes, masks and updates through the hf backend."""
+    import json
+
+    import magrpo.tool_loop
+    from magrpo.trainer import train
+
+    monkeypatch.setattr(magrpo.tool_loop, "CALL_END", "e")
+    monkeypatch.setattr(magrpo.tool_loop, "parse_call", lambda text: (
+        ToolCall("calculator", {"expression": "6*7"}) if text.endswith("e") else None))
+    run = train(make_cfg("tools=[calculator]", "tools.max_calls=2", "generation.max_new_tokens=24"))
+    metrics = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    assert all(m["tools/calls"] > 0 for m in metrics)
+    assert any(m["train/agent_0/masked_token_share"] > 0 for m in metrics)
+    assert "<tool_response>\\n42\\n</tool_response>" in (run / "rollouts.jsonl").read_text()
