@@ -92,12 +92,12 @@ def generate_with_tools(backend, requests: Sequence[GenerationRequest], params: 
         stats.add(results)
         resume = []
         for (turn, _), result in zip(calling, results):
-            budget = params.max_new_tokens - len(turn.tokens())
-            tool_ids = encode_text(turn.request.agent, response_text(result.text))[:budget]
+            tool_ids = encode_text(turn.request.agent, response_text(result.text))
+            if len(turn.tokens()) + len(tool_ids) >= params.max_new_tokens:
+                continue  # no room left to read the result and answer: the turn ends at its call (never half a message)
             turn.segments.append((tool_ids, False))
             turn.texts.append(response_text(result.text))
-            if len(tool_ids) < budget:
-                resume.append(turn)
+            resume.append(turn)
         if resume:
             budgets = [params.max_new_tokens - len(t.tokens()) for t in resume]
             out = backend.generate([resume_request(t, round_) for t in resume],

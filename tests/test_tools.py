@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from dataclasses import asdict
 
 import pytest
 
@@ -279,7 +280,20 @@ def test_the_turn_never_exceeds_its_token_budget(max_new_tokens):
     backend = ToolScriptBackend([CALC, " So it is 42, as the calculator says."])
     [[c, *_]] = loop(backend, max_new_tokens=max_new_tokens)
     assert len(c.token_ids) <= max_new_tokens and not c.finished
-    assert len(c.logprobs) == sum(c.model_mask)
+    assert c.token_ids == ToolScriptBackend.encode(0, c.text)  # a tool message is whole or absent
+    if len(CALC) + len(response_text("42")) >= max_new_tokens:  # no room to read the result: ends at its call
+        assert c.text == CALC and c.model_mask is None and backend.generate_calls == 1
+    else:
+        assert len(c.logprobs) == sum(c.model_mask) < len(c.token_ids)
+
+
+def test_only_tools_max_concurrency_may_change_on_resume(make_cfg):
+    from magrpo.checkpoint import config_changes
+
+    stored = asdict(make_cfg("tools=[calculator]"))
+    assert config_changes(stored, asdict(make_cfg("tools=[calculator]", "tools.max_concurrency=2"))) == {}
+    assert list(config_changes(stored, asdict(make_cfg("tools=[calculator]", "tools.timeout_s=2")))) == \
+        ["tools.timeout_s"]
 
 
 def test_tools_with_vllm_are_refused_and_module_tools_compose(run_cli, make_cfg):
