@@ -218,6 +218,13 @@ def cap(result: ToolResult, max_output_chars: int) -> ToolResult:
     return result
 
 
+def tools_preamble(schemas: Sequence[dict]) -> str:
+    """What a prompt starts with when the chat template cannot show the tools itself (the plain format)."""
+    lines = "\n".join(json.dumps(s) for s in schemas)
+    return (f"You may call these tools, one at a time, by writing {CALL_START}{{\"name\": NAME, \"arguments\": "
+            f"{{...}}}}{CALL_END}; the result follows in {RESPONSE_START.strip()}:\n{lines}\n\n")
+
+
 def response_text(result: str) -> str:
     """A tool result as it is appended to the turn (the plain format, also Qwen's tool message body)."""
     return f"\n{RESPONSE_START}{result}{RESPONSE_END}"

@@ -4,6 +4,7 @@ turn, masked out of the loss."""
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 from dataclasses import asdict
@@ -379,3 +380,33 @@ def test_a_training_run_calls_tools_and_masks_their_output(make_cfg, monkeypatch
     assert all(m["tools/calls"] > 0 for m in metrics)
     assert any(m["train/agent_0/masked_token_share"] > 0 for m in metrics)
     assert "<tool_response>\\n42\\n</tool_response>" in (run / "rollouts.jsonl").read_text()
+
+
+CALC_SCHEMAS = tuple(t.schema for t in resolve(["calculator"]))
+
+
+def test_a_template_without_tools_gets_them_described_in_the_prompt(tiny_backend):
+    from dataclasses import replace
+
+    agent = tiny_backend.agents[0]
+    assert "tools" not in str(agent.tokenizer.chat_template)
+    with_tools = replace(agent, tool_schemas=CALC_SCHEMAS)
+    assert with_tools.format_prompt("Add.") == agent.format_prompt(
+        "You may call these tools, one at a time, by writing <tool_call>{\"name\": NAME, \"arguments\": {...}}"
+        "</tool_call>; the result follows in <tool_response>:\n" + json.dumps(CALC_SCHEMAS[0]) + "\n\nAdd.")
+
+
+def test_a_template_that_takes_tools_shows_them_itself(tiny_backend, monkeypatch):
+    from dataclasses import replace
+
+    agent = replace(tiny_backend.agents[0], tool_schemas=CALC_SCHEMAS, use_chat_template=True)
+    monkeypatch.setattr(agent.tokenizer, "chat_template",
+                        "{% for t in tools or [] %}[{{ t.function.name }}]{% endfor %}{{ messages[0].content }}")
+    assert agent.format_prompt("Add.") == "[calculator]Add."
+    assert replace(agent, tool_schemas=()).format_prompt("Add.") == "Add."
+
+
+def test_load_agents_gives_every_agent_the_tools(make_cfg):
+    from magrpo.models import tool_schemas
+
+    assert tool_schemas(make_cfg("tools=[calculator]")) == CALC_SCHEMAS and tool_schemas(make_cfg()) == ()
