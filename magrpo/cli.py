@@ -127,7 +127,7 @@ def compose_run(
 
     modules = plugins.requested(overrides, os.environ, primary(config_dir, config_name))
     plugins.load(modules)
-    overrides = select_env(overrides)
+    overrides = tools_shorthand(select_env(overrides))
     try:
         cfg, choices = _compose(overrides, config_dir, config_name, values)
     except ConfigError:
@@ -204,6 +204,12 @@ def groups(config_dir: Path | None = None) -> set[str]:
     """Config groups: the folders of configs/ (and of the user's folder), and env (from the registry)."""
     folders = {p.name for d in (CONFIG_DIR, config_dir) if d is not None for p in d.iterdir() if p.is_dir()}
     return {name for name in folders if not name.startswith(("_", "."))} | {"env"}
+
+
+def tools_shorthand(overrides: Sequence[str]) -> list[str]:
+    """`tools=[a,b]` (the issue's spelling) sets `tools.names`; the other `tools.*` keys stay as they are."""
+    return [f"tools.names={o.partition('=')[2]}" if o.partition("=")[0].lstrip("+") == "tools" else o
+            for o in overrides]
 
 
 def select_env(overrides: Sequence[str]) -> list[str]:

@@ -319,6 +319,22 @@ class LimitsConfig:
 
 
 @dataclass
+class ToolsConfig:
+    names: list[str] = field(default_factory=list)
+    """Tools the agents may call inside a turn (docs/tools.md; hf backend): registered names (calculator) or
+    `package.module:function` / `package.module:TOOL`; also `tools=[a,b]`. Empty = no tools (generation as before)."""
+    max_calls: int = 4
+    """Tool calls one agent's turn may make at most; a reply that calls again after them ends the turn (>= 1)."""
+    timeout_s: float = 10.0
+    """Seconds one tool call may run; then its result is an error message (tools/errors/timeout) and the run goes on
+    (> 0)."""
+    max_output_chars: int = 4000
+    """A tool's result (or error) longer than this is cut, with a marker saying how much was left out (>= 1)."""
+    max_concurrency: int = 8
+    """Tool calls of one round (all branches of a turn) that run at once (>= 1)."""
+
+
+@dataclass
 class TrainConfig:
     env: dict[str, Any] = field(default_factory=lambda: {"name": "length_ratio"})
     """Environment: `name` picks a registered env; other keys are that env's own config."""
@@ -338,6 +354,7 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
+    tools: ToolsConfig = field(default_factory=ToolsConfig)
     resume: Optional[str] = None
     """Continue a run: auto (the newest readable checkpoint in logging.run_dir; none there at all: start fresh) | a
     checkpoint folder | null (a fresh run: logging.run_dir must hold no checkpoints)."""

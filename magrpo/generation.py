@@ -17,6 +17,7 @@ class GenerationRequest:
     agent: int  # selects the agent's adapter (and base model)
     n: int  # samples to draw
     seed: int | None = None  # key of this request's random streams (sample k uses stream_key(seed, k)); None: drawn
+    continuation: tuple[int, ...] = ()  # token ids after the encoded prompt: a turn resumed after a tool's output
 
 
 @dataclass(frozen=True)
@@ -27,3 +28,4 @@ class SamplingParams:
     top_k: int = 0  # 0 = off
     logprobs: bool = False  # also return each sampled token's log-prob under the sampling distribution
     greedy: bool = False  # argmax decoding (evaluation); temperature/top-k/top-p then only shape log-probs
+    stop: tuple[str, ...] = ()  # end a completion once its text contains one of these (kept in it; hf only)

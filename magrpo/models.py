@@ -126,15 +126,26 @@ class Agent:
     tokenizer: object
     use_chat_template: bool
     model_path: str  # the base model's folder or hub id (a vLLM engine loads it by this)
+    tool_schemas: tuple[dict, ...] = ()  # the tools the agent may call (docs/tools.md): shown in every prompt
 
     @property
     def adapter(self) -> str:
         return adapter_name(self.index)
 
     def format_prompt(self, text: str) -> str:
+        """The prompt as the model reads it: through the chat template (given the tools, where the
+        template shows them, e.g. Qwen2.5/Qwen3), else raw text; tools the template does not show are
+        described in front of the text instead."""
+        shows_tools = self.use_chat_template and "tools" in str(getattr(self.tokenizer, "chat_template", ""))
+        if self.tool_schemas and not shows_tools:
+            from .tools import tools_preamble
+
+            text = tools_preamble(self.tool_schemas) + text
         if self.use_chat_template:
             messages = [{"role": "user", "content": text}]
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            tools = [{"type": "function", "function": s} for s in self.tool_schemas] if shows_tools else None
+            extra = {"tools": tools} if tools else {}  # no key at all without tools: prompts as before
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
         return text
 
     def encode_prompts(self, texts: list[str]) -> list[list[int]]:
@@ -261,5 +272,12 @@ def load_agents(cfg: TrainConfig, num_agents: int) -> list[Agent]:
             shared[name][0].add_adapter(adapter_name(i), lora())
         model, tok, path = shared[name]
         use_template = cfg.model.chat_template == "auto" and bool(getattr(tok, "chat_template", None))
-        agents.append(Agent(index=i, model=model, tokenizer=tok, use_chat_template=use_template, model_path=path))
+        agents.append(Agent(index=i, model=model, tokenizer=tok, use_chat_template=use_template, model_path=path,
+                            tool_schemas=tool_schemas(cfg)))
     return agents
+
+
+def tool_schemas(cfg: TrainConfig) -> tuple[dict, ...]:
+    from .tools import resolve
+
+    return tuple(t.schema for t in resolve(cfg.tools.names, "tools.names"))

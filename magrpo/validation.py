@@ -68,6 +68,7 @@ def validate(cfg: TrainConfig) -> None:
     unknown = [name for name in cfg.resume_force if not any(under(key, [name]) for key in keys)]
     if unknown:
         raise ConfigError("resume_force", f"{unknown[0]!r} is not a config key or section (e.g. trainer.lr, external)")
+    validate_tools(cfg)
     at_least("trainer.kl_coef", trainer.kl_coef, 0.0)
     at_least("trainer.max_grad_norm", trainer.max_grad_norm, 0.0)
     above("trainer.lr", trainer.lr, 0)
@@ -299,3 +300,19 @@ def text_size(value) -> int:
     if isinstance(value, (list, tuple)):
         return sum(text_size(v) for v in value)
     return 0
+
+
+def validate_tools(cfg: TrainConfig) -> None:
+    """The `tools` section: names resolve (registered or module:attr), limits positive, hf backend."""
+    t = cfg.tools
+    at_least("tools.max_calls", t.max_calls, 1)
+    above("tools.timeout_s", t.timeout_s, 0)
+    at_least("tools.max_output_chars", t.max_output_chars, 1)
+    at_least("tools.max_concurrency", t.max_concurrency, 1)
+    if not t.names:
+        return
+    from .tools import resolve
+
+    resolve(t.names, "tools.names")
+    if cfg.backend != "hf":
+        raise ConfigError("tools.names", f"tools run with backend=hf only for now, not backend={cfg.backend}")

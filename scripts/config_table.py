@@ -21,7 +21,7 @@ PREFIX = {
     "GenerationConfig": "generation.", "TrainerConfig": "trainer.", "LoggingConfig": "logging.",
     "WandbConfig": "logging.wandb.", "ExternalConfig": "external.", "ExpertConfig": "external.expert.",
     "EvalConfig": "eval.", "CheckpointConfig": "checkpoint.", "RewardConfig": "reward.", "VLLMConfig": "vllm.",
-    "LimitsConfig": "limits.",
+    "LimitsConfig": "limits.", "ToolsConfig": "tools.",
 }
 
 

@@ -172,3 +172,34 @@ def tiny_qwen2(vocab_size: int, num_hidden_layers: int, seed: int = 0):
     torch.manual_seed(seed)
     return Qwen2ForCausalLM(Qwen2Config(vocab_size=vocab_size, hidden_size=16, num_hidden_layers=num_hidden_layers,
                                         num_attention_heads=2, num_key_value_heads=1, intermediate_size=32))
+
+
+class ToolScriptBackend:
+    """Character-level (a token is `ord(c)`): a request whose turn so far holds i tool responses gets
+    `replies[min(i, last)]`, cut at `params.stop` (kept, no EOS) and at `max_new_tokens`."""
+
+    def __init__(self, replies: list[str]):
+        self.replies = replies
+        self.generate_calls = 0
+        self.calls: list[list] = []  # per generate call: its requests
+
+    @staticmethod
+    def encode(agent: int, text: str) -> list[int]:
+        return [ord(c) for c in text]
+
+    def generate(self, requests, params):
+        self.generate_calls += 1
+        self.calls.append(list(requests))
+        out = []
+        for r in requests:
+            seen = "".join(map(chr, r.continuation)).count("<tool_response>")
+            text = self.replies[min(seen, len(self.replies) - 1)]
+            ends = [text.index(s) + len(s) for s in params.stop if s in text]
+            finished = not ends
+            text = text[: min(ends)] if ends else text
+            if len(text) > params.max_new_tokens:
+                text, finished = text[: params.max_new_tokens], False
+            ids = self.encode(r.agent, text)
+            out.append([Completion(ids, text, [len(r.prompt), *r.continuation], finished,
+                                   [-0.5] * len(ids) if params.logprobs else None) for _ in range(r.n)])
+        return out

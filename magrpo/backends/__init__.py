@@ -35,4 +35,6 @@ def _vllm(cfg: "TrainConfig", agents: "list[Agent]") -> GenerationBackend:
 
 
 def make_backend(cfg: "TrainConfig", agents: "list[Agent]") -> GenerationBackend:
-    return BACKENDS.get(cfg.backend)(cfg, agents)
+    from ..tool_loop import with_tools
+
+    return with_tools(BACKENDS.get(cfg.backend)(cfg, agents), cfg, agents)

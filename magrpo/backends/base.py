@@ -51,13 +51,13 @@ def encode_requests(
     agents: Sequence, requests: Sequence[GenerationRequest], ids: Sequence[int]
 ) -> dict[int, list[int]]:
     """Prompt token ids of requests[i] for i in ids, as the trainer will see them: one tokenizer call
-    per agent (its chat template applied). Every backend sends these ids, so `Completion.prompt_ids`
-    are exactly what the update scores."""
+    per agent (its chat template applied), then the request's `continuation`. Every backend sends
+    these ids, so `Completion.prompt_ids` are exactly what the update scores."""
     by_agent: dict[int, list[int]] = {}
     for r in ids:
         by_agent.setdefault(requests[r].agent, []).append(r)
     out = {}
     for agent, rs in by_agent.items():
         for r, tokens in zip(rs, agents[agent].encode_prompts([requests[r].prompt for r in rs])):
-            out[r] = tokens
+            out[r] = tokens + list(requests[r].continuation)
     return out

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import defaultdict
 from contextlib import contextmanager
 from functools import partial
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -96,6 +96,7 @@ class HFBackend:
             pad_id=tok.pad_token_id,
             eos_ids=eos,
             routing=self._routing(model),
+            stop=partial(stopped_rows, tok, params.stop) if params.stop else None,
         )
         self.generate_calls += 1
         completions = []
@@ -103,7 +104,9 @@ class HFBackend:
         for row, r in enumerate(rows):
             ids = new[row].tolist()
             end = next((t + 1 for t, i in enumerate(ids) if i in eos_set), None)
-            ids = ids[:end] if end is not None else ids
+            stop_end = stop_position(tok, params.stop, ids[:end]) if params.stop else None
+            ids = ids[: stop_end or end]
+            end = None if stop_end else end  # a stop string is no EOS: the turn goes on after a tool call
             self.generated_tokens += len(ids)
             completions.append(
                 Completion(
@@ -124,6 +127,25 @@ def row_keys(request: GenerationRequest) -> list[int]:
     return [stream_key(seed, k) for k in range(request.n)]
 
 
+def stop_window(stop: Sequence[str]) -> int:
+    """Tokens whose text can hold a stop string that the last of them completes (a token is >= 1 char)."""
+    return max(len(s) for s in stop) + 1
+
+
+def stopped_rows(tokenizer, stop: Sequence[str], new: torch.Tensor) -> torch.Tensor:
+    """(rows,) bool: the row's text, up to its last token, ends in a stop string (checking the last few
+    tokens each step finds the first one)."""
+    tails = tokenizer.batch_decode(new[:, -stop_window(stop):].tolist())
+    return torch.tensor([any(s in text for s in stop) for text in tails], dtype=torch.bool)
+
+
+def stop_position(tokenizer, stop: Sequence[str], ids: list[int]) -> int | None:
+    """Tokens up to and including the one that completes the first stop string; None: no stop string."""
+    window = stop_window(stop)
+    return next((t + 1 for t in range(len(ids))
+                 if any(s in tokenizer.decode(ids[max(0, t + 1 - window) : t + 1]) for s in stop)), None)
+
+
 @torch.no_grad()
 def decode(
     model: torch.nn.Module,
@@ -136,6 +158,7 @@ def decode(
     eos_ids: list[int],
     drop_finished: bool = True,
     routing: RowAdapters | None = None,
+    stop: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Sample completions for rows `expand` (an index into `prompts`, repeated for n samples).
 
@@ -147,7 +170,8 @@ def decode(
     Rows that finished leave the batch once a quarter of it has (`drop_finished`): the other rows
     keep their random streams, so their tokens stay the same (their logits may move by float
     rounding, ~1e-6, where a smaller batch's matrix products sum in another order). `routing`: the
-    model's RowAdapters, when the caller keeps one across calls.
+    model's RowAdapters, when the caller keeps one across calls. `stop`: given the rows' tokens so far,
+    which rows end here though no EOS came (a stop string, kept in the tokens).
     """
     device = next(model.parameters()).device
     width = max(len(p) for p in prompts)
@@ -182,6 +206,9 @@ def decode(
             nxt = torch.where(finished, torch.full_like(nxt, pad_id), nxt)
             new[alive, step] = nxt
             finished |= torch.isin(nxt, eos)
+            if stop is not None:
+                going = (~finished).nonzero().squeeze(-1)
+                finished[going] |= stop(new[alive[going], : step + 1]).to(device)
             done = int(finished.sum())
             if done == len(alive) or step == steps - 1:
                 new, new_logprobs = new[:, : step + 1], None if new_logprobs is None else new_logprobs[:, : step + 1]

@@ -1,0 +1,257 @@
+"""Tools a model may call inside a turn (issue 31): what a tool is, the `TOOLS` registry, the plain
+call format and its parser, and `execute_calls`, which runs one round's calls concurrently. Pure: no
+model; the loop that generates, stops at a call and resumes is magrpo.tool_loop.
+
+A call is the model's text `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (Qwen2.5/Qwen3's
+own format), and its result goes back as `<tool_response>\n...\n</tool_response>` (docs/tools.md).
+Nothing a model writes crashes a run: a bad call gets an error text as its result, counted by kind.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import inspect
+import json
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from .config import choice
+from .errors import ConfigError
+from .registry import Registry
+
+CALL_START, CALL_END = "<tool_call>", "</tool_call>"
+RESPONSE_START, RESPONSE_END = "<tool_response>\n", "\n</tool_response>\n"
+TOOLS_HINT = ("or your own: tools=[package.module:function] (its docstring describes it) or "
+              "tools=[package.module:NAME] (a magrpo.tools.Tool)")
+ERROR_KINDS = ("bad_json", "unknown_tool", "bad_arguments", "raised", "timeout", "truncated")
+
+
+@dataclass(frozen=True)
+class Tool:
+    name: str
+    schema: dict  # the OpenAI function schema: {"name", "description", "parameters": JSON schema}
+    fn: Callable[..., Any]  # called with the call's arguments as keywords; sync or async; returns text
+
+
+TOOLS: Registry[Tool] = Registry("tool")
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: dict
+
+
+@dataclass(frozen=True)
+class CallError:
+    kind: str  # one of ERROR_KINDS
+    message: str  # the tool message the model gets back
+
+
+@dataclass
+class ToolResult:
+    text: str  # what goes back to the model (an error's message, or the tool's output, capped)
+    error: str | None = None  # an ERROR_KINDS entry, None when the tool answered in full
+    seconds: float = 0.0
+
+
+@dataclass
+class ToolStats:
+    """One step's tool numbers (logged as tools/calls, tools/errors/<kind>, tools/seconds)."""
+
+    calls: int = 0
+    seconds: float = 0.0
+    errors: dict[str, int] = field(default_factory=dict)
+
+    def add(self, results: Sequence[ToolResult]) -> None:
+        for r in results:
+            self.calls += 1
+            self.seconds += r.seconds
+            if r.error:
+                self.errors[r.error] = self.errors.get(r.error, 0) + 1
+
+    def metrics(self) -> dict[str, float]:
+        from .metrics import Counter
+
+        out = {"tools/calls": Counter(self.calls), "tools/seconds": Counter(self.seconds)}
+        out.update({f"tools/errors/{kind}": Counter(n) for kind, n in self.errors.items()})
+        return out
+
+
+def resolve(names: Sequence[str], key: str = "tools") -> list[Tool]:
+    """Registered names or `package.module:attr` (a Tool, or a function: its name and docstring make
+    the schema); anything else is a ConfigError naming `key` and the registered tools."""
+    out = []
+    for name in names:
+        if ":" not in name:
+            choice(key, name, TOOLS.names(), TOOLS_HINT)
+            out.append(TOOLS.get(name))
+            continue
+        from .plugins import import_module
+
+        module_name, _, attr = name.partition(":")
+        obj = getattr(import_module(key, module_name), attr, None)
+        if isinstance(obj, Tool):
+            out.append(obj)
+        elif callable(obj):
+            out.append(function_tool(obj))
+        else:
+            raise ConfigError(key, f"{name!r}: module {module_name!r} has no Tool or function {attr!r}")
+    seen = [t.name for t in out]
+    if len(set(seen)) != len(seen):
+        raise ConfigError(key, f"two tools share a name: {', '.join(seen)}")
+    return out
+
+
+def function_tool(fn: Callable[..., Any], name: str | None = None) -> Tool:
+    """A Tool from a plain function: every parameter a string unless annotated int/float/bool."""
+    kinds = {int: "integer", float: "number", bool: "boolean", "int": "integer", "float": "number",
+             "bool": "boolean"}
+    params = inspect.signature(fn).parameters
+    properties = {p: {"type": kinds.get(v.annotation, "string")} for p, v in params.items()}
+    required = [p for p, v in params.items() if v.default is inspect.Parameter.empty]
+    schema = {"name": name or fn.__name__, "description": inspect.getdoc(fn) or "",
+              "parameters": {"type": "object", "properties": properties, "required": required}}
+    return Tool(schema["name"], schema, fn)
+
+
+def parse_call(text: str) -> ToolCall | CallError | None:
+    """The call a model segment ends with (generation stops at CALL_END), an error when its body is
+    not `{"name": str, "arguments": object}`, or None when the segment makes no call."""
+    stripped = text.rstrip()
+    if not stripped.endswith(CALL_END) or CALL_START not in stripped:
+        return None
+    body = stripped[stripped.rindex(CALL_START) + len(CALL_START) : -len(CALL_END)]
+    try:
+        call = json.loads(body)
+    except json.JSONDecodeError as e:
+        return CallError("bad_json", f"error: the call is not valid JSON ({e})")
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        return CallError("bad_json", 'error: a call is {"name": "<tool>", "arguments": {...}}')
+    arguments = call.get("arguments", {})
+    if isinstance(arguments, str):  # some models write the arguments as a JSON string (OpenAI's wire form)
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError as e:
+            return CallError("bad_json", f"error: arguments are not valid JSON ({e})")
+    if not isinstance(arguments, dict):
+        return CallError("bad_arguments", f"error: arguments must be a JSON object, got {type(arguments).__name__}")
+    return ToolCall(call["name"], arguments)
+
+
+def execute_calls(calls: Sequence[ToolCall | CallError], tools: Sequence[Tool], timeout_s: float,
+                  max_output_chars: int, max_concurrency: int) -> list[ToolResult]:
+    """One result per call, in order. At most `max_concurrency` run at once, each for at most
+    `timeout_s` seconds; errors (a parse error, an unknown tool, bad arguments, a raise, a timeout)
+    become error texts, and every text is cut to `max_output_chars`."""
+    by_name = {t.name: t for t in tools}
+    coroutine = _run_all(calls, by_name, timeout_s, max_output_chars, max_concurrency)
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coroutine)
+    # Called from inside an event loop (a notebook): run ours in a thread of its own.
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coroutine).result()
+
+
+async def _run_all(calls, by_name: dict[str, Tool], timeout_s: float, max_output_chars: int,
+                   max_concurrency: int) -> list[ToolResult]:
+    limit = asyncio.Semaphore(max(1, max_concurrency))
+
+    async def one(call) -> ToolResult:
+        async with limit:
+            loop = asyncio.get_running_loop()
+            start = loop.time()
+            result = await _run_one(call, by_name, timeout_s)
+            result.seconds = loop.time() - start
+        return cap(result, max_output_chars)
+
+    return list(await asyncio.gather(*(one(c) for c in calls)))
+
+
+async def _run_one(call: ToolCall | CallError, by_name: dict[str, Tool], timeout_s: float) -> ToolResult:
+    if isinstance(call, CallError):
+        return ToolResult(call.message, call.kind)
+    tool = by_name.get(call.name)
+    if tool is None:
+        return ToolResult(f"error: unknown tool {call.name!r}; tools: {', '.join(sorted(by_name))}", "unknown_tool")
+    try:
+        inspect.signature(tool.fn).bind(**call.arguments)
+    except TypeError as e:
+        return ToolResult(f"error: bad arguments for {call.name!r}: {e}", "bad_arguments")
+    try:
+        output = await asyncio.wait_for(_call(tool.fn, call.arguments), timeout_s)
+    except asyncio.TimeoutError:
+        return ToolResult(f"error: {call.name!r} timed out after {timeout_s:g} s", "timeout")
+    except Exception as e:  # noqa: BLE001  (a tool's own failure is the model's to see, not the run's)
+        return ToolResult(f"error: {call.name!r} raised {type(e).__name__}: {e}", "raised")
+    return ToolResult(output if isinstance(output, str) else str(output))
+
+
+async def _call(fn: Callable[..., Any], arguments: dict) -> Any:
+    """Await an async tool; run a sync one in a daemon thread, so that one that hangs past its timeout
+    is left behind instead of holding up the round or the interpreter's exit."""
+    if inspect.iscoroutinefunction(fn):
+        return await fn(**arguments)
+    future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def target() -> None:
+        if not future.set_running_or_notify_cancel():  # a running future cannot be cancelled by a timeout
+            return
+        try:
+            future.set_result(fn(**arguments))
+        except BaseException as e:  # noqa: BLE001  (handed to the awaiting coroutine)
+            future.set_exception(e)
+
+    threading.Thread(target=target, daemon=True, name=f"tool-{getattr(fn, '__name__', 'fn')}").start()
+    return await asyncio.wrap_future(future)
+
+
+def cap(result: ToolResult, max_output_chars: int) -> ToolResult:
+    """Cut a text longer than `max_output_chars` (0: no cap), saying how much was left out."""
+    if max_output_chars and len(result.text) > max_output_chars:
+        left_out = len(result.text) - max_output_chars
+        result.text = f"{result.text[:max_output_chars]}... [truncated: {left_out} more characters]"
+        result.error = result.error or "truncated"
+    return result
+
+
+def tools_preamble(schemas: Sequence[dict]) -> str:
+    """What a prompt starts with when the chat template cannot show the tools itself (the plain format)."""
+    lines = "\n".join(json.dumps(s) for s in schemas)
+    return (f"You may call these tools, one at a time, by writing {CALL_START}{{\"name\": NAME, \"arguments\": "
+            f"{{...}}}}{CALL_END}; the result follows in {RESPONSE_START.strip()}:\n{lines}\n\n")
+
+
+def response_text(result: str) -> str:
+    """A tool result as it is appended to the turn (the plain format, also Qwen's tool message body)."""
+    return f"\n{RESPONSE_START}{result}{RESPONSE_END}"
+
+
+def calculator(expression: str) -> str:
+    """Evaluate arithmetic: numbers, + - * / // % ** and parentheses, e.g. "(2 + 3) * 4"."""
+    import ast
+    import operator
+
+    ops = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+           ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow,
+           ast.USub: operator.neg, ast.UAdd: operator.pos}
+
+    def value(node: ast.AST) -> float:
+        if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+            return node.value
+        if isinstance(node, ast.BinOp) and type(node.op) in ops:
+            left, right = value(node.left), value(node.right)
+            if isinstance(node.op, ast.Pow) and abs(right) > 100:  # 9**9**9 would run for hours
+                raise ValueError("exponent too large")
+            return ops[type(node.op)](left, right)
+        if isinstance(node, ast.UnaryOp) and type(node.op) in ops:
+            return ops[type(node.op)](value(node.operand))
+        raise ValueError(f"not arithmetic: {ast.dump(node)[:60]}")
+
+    return str(value(ast.parse(expression, mode="eval").body))
+
+
+TOOLS.register("calculator")(function_tool(calculator))
