@@ -314,8 +314,8 @@ class LimitsConfig:
     """Most characters of text one problem record of the train or eval split may hold (its strings, all fields);
     a bigger one stops at start-up with a line naming it, before any model loads (0 = no limit)."""
     max_prompt_chars: int = 1_000_000
-    """Longest prompt, in characters, a feedback function or mode may return for an agent; a longer one stops the
-    run with a line naming the function (0 = no limit)."""
+    """Longest prompt, in characters, for an agent: the env's turn-0 prompts (checked at start-up, naming the env)
+    and what a feedback function or mode returns (a longer one stops the run naming the function); 0 = no limit."""
 
 
 @dataclass

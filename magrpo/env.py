@@ -109,6 +109,20 @@ def check_problem_prompts(env: Environment, problems: Sequence[Any], split: str)
                            f"key (it has: {keys or 'nothing'}); every problem needs its statement under 'prompt'")
 
 
+def check_prompt_sizes(env: Environment, problems: Sequence[Any], split: str, max_chars: int) -> None:
+    """Every turn-0 prompt the env writes has at most max_chars characters (limits.max_prompt_chars; 0: no
+    limit): a small record can still make a huge prompt. A ConfigError naming the env's agent_prompts."""
+    for i, problem in enumerate(problems if max_chars else []):
+        prompts = call_env(env, "agent_prompts", problem, where=f"at start-up ({split} problem {i})")
+        sizes = [len(p) if isinstance(p, str) else 0 for p in prompts]
+        if max(sizes, default=0) > max_chars:
+            agent = sizes.index(max(sizes))
+            raise ConfigError("limits.max_prompt_chars",
+                              f"{qualified_name(type(env))}.agent_prompts wrote {max(sizes):,} characters for agent "
+                              f"{agent} on {split} problem {i}, more than {max_chars:,}; shorten the problem, or "
+                              f"raise the limit (0 = none)")
+
+
 def call_env(env: Environment, method: str, *args: Any, where: str) -> Any:
     """env.method(*args); a raise becomes an EnvError naming the method and `where` (the turn).
     ConfigError passes: bad input found while loading data is reported as such."""

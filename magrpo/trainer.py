@@ -16,10 +16,10 @@ import torch
 from . import checkpoint, run_lock
 from .advantage import AdvantageSettings, assign_advantages
 from .backends import make_backend
-from .config import TrainConfig, check_finite
+from .config import LimitsConfig, TrainConfig, check_finite
 from .console import StopSignals, progress_bar, startup_line, summary_line
 from .distributed import World, world_from_env
-from .env import Environment, call_env, check_problem_prompts, make_env
+from .env import Environment, call_env, check_problem_prompts, check_prompt_sizes, make_env
 from .errors import ConfigError, Stopped, TrainingError, log_traceback
 from .evaluation import evaluate
 from .feedback import Feedback, FeedbackTarget, mode_for
@@ -79,9 +79,9 @@ def prepare(
         raise ConfigError(
             "agents", f"{len(cfg.agents)} entries for {env.num_agents} agent(s); give at most one per agent"
         )
-    _check_split(env, "train", cfg.limits.max_problem_chars)
+    _check_split(env, "train", cfg.limits)
     if evaluates(cfg):
-        _check_split(env, "eval", cfg.limits.max_problem_chars)
+        _check_split(env, "eval", cfg.limits)
     check_tree_size(cfg, env.num_agents)
     cfg.external.mode = mode_for(cfg.external.mode, env)  # config.json records the mode that ran, not `auto`
     checked = Feedback(cfg.external, env, feedback, max_prompt_chars=cfg.limits.max_prompt_chars)
@@ -93,12 +93,13 @@ def evaluates(cfg: TrainConfig) -> bool:
     return bool(cfg.eval.at_end or cfg.eval.every or cfg.eval.at_start)
 
 
-def _check_split(env: Environment, split: str, max_chars: int) -> None:
+def _check_split(env: Environment, split: str, limits: LimitsConfig) -> None:
     """Load a split now (the env caches it): bad data is a start-up error, and an empty split would
-    leave nothing to sample, a huge record take the machine's memory once encoded."""
+    leave nothing to sample, a huge record or turn-0 prompt take the machine's memory once encoded."""
     problems = call_env(env, "problems", split, where=f"loading the {split} split")
-    check_problem_sizes(problems, split, max_chars)
+    check_problem_sizes(problems, split, limits.max_problem_chars)
     check_problem_prompts(env, problems, split)
+    check_prompt_sizes(env, problems, split, limits.max_prompt_chars)
     if not problems:
         key = env.split_keys.get(split, "env")
         value = getattr(env.cfg, key.partition(".")[2], None)

@@ -30,7 +30,21 @@ def test_a_huge_problem_record_stops_at_start_up_naming_it(make_cfg):
         prepare(make_cfg("limits.max_problem_chars=1000", "eval.at_end=false"), env)
     assert str(e.value) == ("limits.max_problem_chars: problem 2 of the train split ('P2') holds 1,219 characters of "
                             "text, more than 1,000; fix the data, or raise the limit (0 = none)")
-    prepare(make_cfg("limits.max_problem_chars=0", "eval.at_end=false"), env)  # 0: no limit
+    # 0: no limit (its PROBLEMS lack the env's own fields, so its prompts are not written either)
+    prepare(make_cfg("limits.max_problem_chars=0", "limits.max_prompt_chars=0", "eval.at_end=false"), env)
+
+
+def test_a_huge_turn0_prompt_from_a_small_record_stops_at_start_up_naming_the_env(make_cfg):
+    """The record limit cannot see a prompt the env builds from a small record (a template repeating a
+    field): the env's own prompts are measured at start-up too."""
+    from magrpo.envs.length_ratio import LengthRatioEnv
+
+    env = LengthRatioEnv(LengthRatioEnv.Config())
+    env.agent_prompts = lambda problem: [problem["prompt"] * 3000] * env.num_agents
+    with pytest.raises(ConfigError, match=r"^limits.max_prompt_chars: .*LengthRatioEnv.agent_prompts wrote [\d,]+ "
+                                          r"characters for agent 0 on train problem 0, more than 2,000"):
+        prepare(make_cfg("limits.max_prompt_chars=2000", "eval.at_end=false"), env)
+    prepare(make_cfg("limits.max_prompt_chars=0", "eval.at_end=false"), env)  # 0: no limit
 
 
 def test_a_huge_feedback_prompt_names_the_function():

@@ -179,7 +179,8 @@ def _unprivileged_python() -> str | None:
 @pytest.mark.skipif(not ROOT or not shutil.which("setpriv"), reason="needs root and setpriv to become `nobody`")
 def test_hostile_programs_are_contained_for_an_unprivileged_trainer():
     """The same corpus with the trainer as `nobody`: bwrap unprivileged, in user namespaces it makes itself.
-    Runs tests/hostile.py with envs/code copied to a folder `nobody` can read."""
+    Runs tests/hostile.py with envs/code copied to a folder `nobody` can read. Then, with no bwrap on its
+    PATH, `nobody` is refused at the start-up check."""
     python = _unprivileged_python()
     if python is None:
         pytest.skip("no Python that `nobody` can run")
@@ -192,13 +193,20 @@ def test_hostile_programs_are_contained_for_an_unprivileged_trainer():
         for path in [folder, *folder.rglob("*")]:
             path.chmod(0o755 if path.is_dir() else 0o644)
         folder.chmod(0o777)  # the corpus's target file is written (or not) here
-        as_nobody = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
+        as_nobody = [shutil.which("setpriv"), f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
         done = subprocess.run([*as_nobody, python, "-E", "-s", "hostile.py", str(folder)], cwd=folder,
                               capture_output=True, text=True, timeout=300,
                               env={"PATH": "/usr/bin:/bin", "HOME": str(folder), "TMPDIR": "/tmp"})
         assert done.returncode == 0, done.stderr[-3000:]
         assert json.loads(done.stdout.splitlines()[-1]) == []
         assert hostile.leftovers(range(NOBODY, NOBODY + 1)) == []
+        # Without bubblewrap, the same user gets the start-up refusal (the env turns it into env.sandbox's line)
+        check = "from envs.code import isolation; isolation.check('bwrap')"
+        refused = subprocess.run([*as_nobody, python, "-E", "-s", "-c", check], cwd=folder, capture_output=True,
+                                 text=True, timeout=60, env={"PATH": str(folder), "HOME": str(folder)})
+        assert refused.returncode == 1
+        assert "SandboxUnavailable: bubblewrap (bwrap) is not installed" in refused.stderr, refused.stderr
+        assert "env.sandbox=unsafe" in refused.stderr
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 

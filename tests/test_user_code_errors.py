@@ -68,12 +68,16 @@ def test_raising_env_method_during_a_step_is_named_with_its_turn(run_main, tmp_p
         raise KeyError("topic")
 
     monkeypatch.setattr(LengthRatioEnv, "agent_prompts", agent_prompts)
-    code, errors, err = run_main("trainer.steps=1")
+    # limits.max_prompt_chars=0: no start-up measure of the prompts, so the step is the first to call it
+    code, errors, err = run_main("trainer.steps=1", "limits.max_prompt_chars=0")
     assert code == 1 and "Traceback" not in err, err
     assert len(errors) == 1
     assert re.match(r"error: magrpo\.envs\.length_ratio\.LengthRatioEnv\.agent_prompts raised at turn 0 "
                     r"\(problem 'Write about \w+\.'\): KeyError: 'topic' \(traceback in .*error\.log; ",
                     errors[0]), errors
+    code, errors, err = run_main("trainer.steps=1")  # by default it is called at start-up, before any model
+    assert code == 1 and re.match(r"error: magrpo\.envs\.length_ratio\.LengthRatioEnv\.agent_prompts raised at "
+                                  r"start-up \(train problem 0\): KeyError: 'topic'", errors[0]), errors
 
 
 def test_raising_env_score_keeps_its_one_line_and_logs_the_traceback(run_main, tmp_path, monkeypatch):
