@@ -131,8 +131,10 @@ def bwrap() -> tuple[str, tuple[int, ...]]:
     return path, tuple(int(x) for x in match.groups()) if match else (0, 0, 0)
 
 
-def _root_dirs() -> list[str]:
-    """/usr and the top-level links or folders of the OS's programs and libraries (merged /usr or not)."""
+@functools.lru_cache(maxsize=1)
+def _root_dirs() -> tuple[str, ...]:
+    """/usr and the top-level links or folders of the OS's programs and libraries (merged /usr or not);
+    read once, not for every program."""
     args = ["--ro-bind", "/usr", "/usr"]
     for name in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
         path = "/" + name
@@ -140,7 +142,7 @@ def _root_dirs() -> list[str]:
             args += ["--symlink", os.readlink(path), path]
         elif os.path.isdir(path):
             args += ["--ro-bind", path, path]
-    return args
+    return tuple(args)
 
 
 # --unshare-all spelled out, so that the benchmark can drop one at a time (bench/bench_sandbox.py)
@@ -181,14 +183,14 @@ def _without(args: list[str], drop: frozenset[str]) -> list[str]:
     return out
 
 
-@functools.lru_cache(maxsize=1)
+@functools.lru_cache(maxsize=None)  # one per mode: a bound of 1 re-copied it each time the mode changed
 def candidate_lib(mode: str) -> str:
     """The candidate's modules, in a folder of their own (readable by the sandbox uid as root)."""
     python = interpreter().executable if mode == "bwrap" else sys.executable
     return private_copy("magrpo-candidate-", ("candidate.py", "wire.py"), python, 0o755)
 
 
-@functools.lru_cache(maxsize=1)
+@functools.lru_cache(maxsize=None)
 def check(mode: str) -> None:
     """Start-up check: in bwrap mode, one sandboxed interpreter must start and exit cleanly, or
     SandboxUnavailable says why (no bwrap, user namespaces disabled, an unreadable Python)."""

@@ -37,14 +37,13 @@ import json
 import math
 import os
 import re
-import socket
 import textwrap
 import tokenize
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlparse
 
 from magrpo.errors import MagrpoError
+from magrpo.hub import reachable as hub_reachable
 from magrpo.inputs import jsonl_lines
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
@@ -333,29 +332,16 @@ SOURCES = {
     # nothing ships (original MBPP: CC-BY-4.0, Google Research).
     "mbpp": _Source("OpenMLRL/MBPP", None),
 }
-HUB_TIMEOUT_S = 3.0
-
-
 def _offline() -> bool:
     true = {"1", "ON", "YES", "TRUE"}
     return any(os.environ.get(var, "").upper() in true for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
 
 
-def _hub_reachable() -> bool:
-    # Without this probe an unreachable hub costs ~25 s of `datasets`' retries before it gives up.
-    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
-    port = url.port or (443 if url.scheme == "https" else 80)
-    try:
-        socket.create_connection((url.hostname or "huggingface.co", port), timeout=HUB_TIMEOUT_S).close()
-        return True
-    except OSError:
-        return False
-
-
 def _load_hub(hub: str, split: str) -> tuple[list[dict] | None, str]:
     """(records, "") from the hub or its local cache; (None, why not) otherwise."""
     offline = _offline()
-    if not offline and not _hub_reachable():
+    # Without this probe an unreachable hub costs ~25 s of `datasets`' retries before it gives up.
+    if not offline and not hub_reachable():
         return None, "cannot connect to the Hugging Face hub"
     try:
         import datasets

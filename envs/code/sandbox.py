@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass
 from typing import Sequence
 
 from . import isolation, wire
-from .isolation import BOOT, ENV, MODES, SANDBOX_LIB, SandboxUnavailable  # noqa: F401  (the env's imports)
+from .isolation import BOOT, ENV, MODES, SANDBOX_LIB
 
 DRAIN_S = 0.5  # after the candidate is gone: how long to wait for its output still in flight
 JUDGE_GRACE_S = 1.0  # the judge's own deadline is the timeout; past this much more, it is replaced
