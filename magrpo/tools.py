@@ -239,6 +239,13 @@ def calculator(expression: str) -> str:
            ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow,
            ast.USub: operator.neg, ast.UAdd: operator.pos}
 
+    def bounded(result: float) -> float:
+        # Every step stays small, so the next one is fast: chained powers, ((10**100)**100)**100..., would
+        # otherwise hold the GIL (and the trainer) for minutes while the timeout thread waits
+        if isinstance(result, int) and result.bit_length() > 4096:
+            raise ValueError("result too large (more than 4096 bits)")
+        return result
+
     def value(node: ast.AST) -> float:
         if isinstance(node, ast.Constant) and type(node.value) in (int, float):
             return node.value
@@ -246,7 +253,7 @@ def calculator(expression: str) -> str:
             left, right = value(node.left), value(node.right)
             if isinstance(node.op, ast.Pow) and abs(right) > 100:  # 9**9**9 would run for hours
                 raise ValueError("exponent too large")
-            return ops[type(node.op)](left, right)
+            return bounded(ops[type(node.op)](left, right))
         if isinstance(node, ast.UnaryOp) and type(node.op) in ops:
             return ops[type(node.op)](value(node.operand))
         raise ValueError(f"not arithmetic: {ast.dump(node)[:60]}")

@@ -73,6 +73,9 @@ def test_calculator_answers_and_refuses_what_is_not_arithmetic():
     assert (ok.text, ok.error) == ("20", None)
     assert bad.error == "raised" and "not arithmetic" in bad.text
     assert huge.error == "raised" and "exponent too large" in huge.text
+    # powers chained under the exponent bound: each step is refused once it passes 4096 bits
+    [chained] = run([ToolCall("calculator", {"expression": "((10 ** 100) ** 100) ** 100"})])
+    assert chained.error == "raised" and "result too large" in chained.text, chained
 
 
 def test_unknown_tool_lists_the_tools():
