@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from magrpo.feedback import FEEDBACK
 
-from .prompts import assemble, fenced
+from .prompts import assemble, fenced, in_conversation
 
 REVISE = "Revise your previous answer and give an improved version."
 
@@ -16,6 +16,11 @@ def plain(prompt, agent_completions, num_agents, prompt_history_per_agent, respo
     if "functions" not in context:  # an env without code context: plain text
         out = []
         for i in range(num_agents):
+            if in_conversation(options):  # the first prompt and the answer are earlier messages already
+                parts = [f"Agent {j}'s previous answer:\n{agent_completions[j]}" for j in range(num_agents)
+                         if j != i and options.get("show_partner", False)]
+                out.append("\n\n".join(parts + [REVISE]))
+                continue
             parts = [prompt_history_per_agent[i][0]] if options.get("original_prompt", True) else []
             if options.get("history", False):
                 parts += [

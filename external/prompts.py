@@ -2,10 +2,13 @@
 feedback paragraph:
 
     [the agent's first prompt]        external.original_prompt=true (else a one-line role reminder)
-    [earlier attempts]                external.history=true
+    [earlier attempts]                external.history=attempts
     Your previous code: ...
     [feedback paragraph]              the mode's own
     Revise ... Output only ...        the revision instruction
+
+In a conversation (external.history=messages or continuation) the agent already sees its first prompt
+and its reply, so the prompt is only the feedback paragraph and the revision instruction.
 """
 from __future__ import annotations
 
@@ -15,6 +18,11 @@ from typing import Any, Mapping, Sequence
 CODE_CONTEXT = frozenset({"roles", "functions", "code", "entry_point", "helper_defined", "main_defined", "syntax_ok",
                           "syntax_errors", "ran", "passed", "total", "timed_out", "first_failure", "helper_usage",
                           "is_wrapper"})
+
+
+def in_conversation(options: Mapping[str, Any]) -> bool:
+    """The agent sees its earlier turns itself (external.history=messages | continuation)."""
+    return options.get("history_mode") in ("messages", "continuation")
 
 
 def fenced(code: str) -> str:
@@ -40,6 +48,8 @@ def assemble(
 ) -> str:
     """One agent's next-turn prompt in the code env."""
     options = context.get("options", {})
+    if in_conversation(options):
+        return "\n\n".join([p for p in (feedback, instruction(context, agent)) if p])
     parts = [
         prompt_history[agent][0] if options.get("original_prompt", True) else role_line(context, agent, num_agents)
     ]

@@ -210,13 +210,23 @@ def config_changes(stored: dict[str, Any], current: dict[str, Any]) -> dict[str,
     """Keys whose values differ (a key set on one side only included), other than SAFE_TO_CHANGE. A
     key the checkpoint lacks because magrpo added it later is no change while it keeps its default:
     the run goes on as it was."""
-    old = _plain(stored)  # the JSON round trip the stored one took
+    old = legacy_values(_plain(stored))  # the JSON round trip the stored one took
     new = _plain(current)
     added_later = {k: v for k, v in schema_defaults(current).items() if k not in old}
     old.update(added_later)
     keys = sorted(set(old) | set(new))
     return {k: (old.get(k, ABSENT), new.get(k, ABSENT)) for k in keys
             if old.get(k, ABSENT) != new.get(k, ABSENT) and not under(k, SAFE_TO_CHANGE)}
+
+
+def legacy_values(flat: dict[str, Any]) -> dict[str, Any]:
+    """Values an older magrpo wrote that mean a current one: external.history was a bool."""
+    from .config import HISTORY_ALIASES
+
+    history = flat.get("external.history")
+    if isinstance(history, bool):
+        flat["external.history"] = HISTORY_ALIASES[str(history).lower()]
+    return flat
 
 
 def _plain(config: dict[str, Any]) -> dict[str, Any]:

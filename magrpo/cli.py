@@ -254,8 +254,14 @@ def _one_line(e: Exception, env_name, config_dir: Path | None, config_name: str)
     return _from_hydra(e, env_name, config_dir, config_name)
 
 
+# Config keys whose value is a free-form mapping: a new entry is added the Hydra way, with a leading +.
+FREE_MAPPINGS = ("model.chat_template_kwargs",)
+
+
 def _unknown(key: str, env_name) -> ConfigError:
     parent = key.rpartition(".")[0]
+    if parent in FREE_MAPPINGS:
+        return ConfigError(key, f"to add an entry to {parent}, write +{key}=VALUE (Hydra's + adds a key)")
     return ConfigError(
         key, f"unknown key; allowed under {parent or 'the top level'}: {', '.join(_fields_at(parent, env_name))}"
     )

@@ -5,12 +5,16 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence
 
 from .errors import ConfigError
 
 # CoMLRL 1.4.3 spells align "aligned"; "crossed" is not an alias (see docs/porting.md)
 JOINT_MODE_ALIASES = {"aligned": "align"}
+# external.history was a bool before it had modes: true/false still mean what they meant
+HISTORY_ALIASES = {"true": "attempts", "false": "off"}
+HISTORY_MODES = ("off", "attempts", "messages", "continuation")
+ENCODING_CHECKS = ("strict", "ignore_strippable", "off")
 
 
 @dataclass
@@ -27,6 +31,11 @@ class ModelConfig:
     """Passed to from_pretrained."""
     chat_template: str = "auto"
     """auto: wrap prompts with the tokenizer's chat template when it has one; never: raw text."""
+    chat_template_kwargs: Dict[str, Any] = field(default_factory=dict)
+    """Extra keywords for the chat template, e.g. +model.chat_template_kwargs.enable_thinking=false (Qwen3)."""
+    system_prompt: str = ""
+    """A system message before every agent's first prompt (agents[i].system_prompt overrides it per agent); without a
+    chat template it starts the prompt text, followed by a blank line. Empty = none."""
     tiny_hidden_size: int = 128
     """Only for name=tiny: hidden size of the locally built model (a multiple of 8)."""
     tiny_layers: int = 2
@@ -37,6 +46,8 @@ class ModelConfig:
 class AgentConfig:
     model: Optional[str] = None
     """This agent's own base model (hub id or local path); null = model.name (shared in memory)."""
+    system_prompt: Optional[str] = None
+    """This agent's own system message; null = model.system_prompt."""
 
 
 @dataclass
@@ -280,13 +291,22 @@ class ExternalConfig:
     `package.module:function`."""
     original_prompt: bool = True
     """Start every next-turn prompt with the agent's first prompt (problem + role); false: a one-line role reminder."""
-    history: bool = False
-    """Also show the agent's earlier attempts in this branch (its code at every earlier turn), not just the last."""
+    history: str = "off"
+    """How an agent sees its earlier turns: off (each turn's prompt is the feedback's text alone) | attempts (the
+    built-in modes also list its earlier attempts; `true` means attempts) | messages (a chat: earlier prompts and
+    replies as user/assistant messages, the feedback as the next user message, encoded incrementally) | continuation
+    (the feedback is inserted into the agent's reply and it continues writing it). docs/conversations.md."""
+    encoding_check: str = "ignore_strippable"
+    """history=messages: compare each incrementally encoded prompt with a full render of the chat: strict (same
+    text) | ignore_strippable (same text up to whitespace and <think> blocks a template strips) | off."""
     show_partner: bool = False
     """plain: also show the other agent's previous code."""
     max_concurrency: int = 8
     """Feedback calls of one turn that run at once (threads; expert requests overlap)."""
     expert: ExpertConfig = field(default_factory=ExpertConfig)
+
+    def __post_init__(self):
+        self.history = HISTORY_ALIASES.get(str(self.history).lower(), self.history)
 
 
 @dataclass

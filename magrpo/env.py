@@ -16,7 +16,8 @@ class CompletionInfo:
     `completion_info`, feedback's context["completion_info"])."""
 
     truncated: bool  # cut at generation.max_new_tokens (no EOS)
-    # Issue 31: the completion's tool calls go here once tools inside a turn exist.
+    tool_calls: list = field(default_factory=list)  # the turn's calls, in order: {"name", "arguments", "output",
+    # "error" (None, or a kind such as "timeout"), "seconds"} (docs/tools.md)
 
 
 @dataclass

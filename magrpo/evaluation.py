@@ -35,7 +35,8 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 def run_paths(problems, env, backend, feedback, num_turns, sampling, seed: int | None = None,
               world: World | None = None, early_termination_threshold: float | None = None,
-              on_reward_error: str = "raise", stop_on_truncation: bool = False) -> dict[int, list[tuple[int, dict]]]:
+              on_reward_error: str = "raise", stop_on_truncation: bool = False,
+              conversation=None) -> dict[int, list[tuple[int, dict]]]:
     """turn -> [(problem index, outcomes)] for one K=1 path per problem, in problem order. With
     several processes each runs its share of the problems and rank 0 gets them all (others: {})."""
     world = world or World()  # one process
@@ -49,7 +50,7 @@ def run_paths(problems, env, backend, feedback, num_turns, sampling, seed: int |
                                 expand="all", resample_zero_std=0,
                                 cross_credit="mean", team_weight=1.0, overlap_chunks=1)
         rollout = expand_trees(problems[start:stop], env, backend, feedback, settings, sampling,
-                               seed=seed, tree_offset=start)
+                               seed=seed, tree_offset=start, conversation=conversation)
         last: dict[int, tuple[int, dict]] = {}
         for node in rollout.nodes:  # K=1: one joint action per node, turns in order
             last[node.tree] = (node.turn, node.outcomes[0])
@@ -79,13 +80,14 @@ def evaluate(
     early_termination_threshold: float | None = None,
     on_reward_error: str = "raise",
     stop_on_truncation: bool = False,
+    conversation=None,
 ) -> dict[str, float]:
     """Eval metrics (on rank 0 when several processes share the problems); `seed` keys the sampled
     paths' streams; paths stop early, and score errors are handled, as in training."""
     start = time.perf_counter()
     out: dict[str, float] = {}
     stop = dict(early_termination_threshold=early_termination_threshold, on_reward_error=on_reward_error,
-                stop_on_truncation=stop_on_truncation)
+                stop_on_truncation=stop_on_truncation, conversation=conversation)
     greedy = run_paths(problems, env, backend, feedback, num_turns, replace(sampling, greedy=True), world=world, **stop)
     repeated = [p for p in problems for _ in range(num_samples)]
     sampled = (

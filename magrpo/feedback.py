@@ -176,7 +176,9 @@ def _short(value: Any) -> str:
 
 def options_of(external_cfg: Any) -> dict[str, Any]:
     """The external.* switches every mode may read from context["options"]."""
-    return {"original_prompt": external_cfg.original_prompt, "history": external_cfg.history,
+    # "history" stays a bool (earlier attempts listed, as before it had modes); "history_mode" is the setting
+    return {"original_prompt": external_cfg.original_prompt, "history": external_cfg.history == "attempts",
+            "history_mode": external_cfg.history,
             "show_partner": external_cfg.show_partner}
 
 

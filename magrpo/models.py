@@ -9,7 +9,7 @@ import inspect
 import os
 import warnings
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
@@ -127,26 +127,41 @@ class Agent:
     use_chat_template: bool
     model_path: str  # the base model's folder or hub id (a vLLM engine loads it by this)
     tool_schemas: tuple[dict, ...] = ()  # the tools the agent may call (docs/tools.md): shown in every prompt
+    system_prompt: str = ""  # a system message before the first user message (model.system_prompt, agents[i])
+    template_kwargs: dict = field(default_factory=dict)  # passed to apply_chat_template (model.chat_template_kwargs)
 
     @property
     def adapter(self) -> str:
         return adapter_name(self.index)
 
+    def shows_tools(self) -> bool:
+        return self.use_chat_template and "tools" in str(getattr(self.tokenizer, "chat_template", ""))
+
+    def user_content(self, text: str) -> str:
+        """The first user message's content: tools the template does not show are described in front of it."""
+        if self.tool_schemas and not self.shows_tools():
+            from .tools import tools_preamble
+
+            return tools_preamble(self.tool_schemas) + text
+        return text
+
+    def render(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        """`messages` through the chat template, with the agent's system prompt, tools and template kwargs."""
+        system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        tools = [{"type": "function", "function": s} for s in self.tool_schemas] if self.shows_tools() else None
+        extra = {"tools": tools} if tools else {}  # no key at all without tools: prompts as before
+        return self.tokenizer.apply_chat_template(system + messages, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt,
+                                                  **extra, **self.template_kwargs)
+
     def format_prompt(self, text: str) -> str:
         """The prompt as the model reads it: through the chat template (given the tools, where the
         template shows them, e.g. Qwen2.5/Qwen3), else raw text; tools the template does not show are
         described in front of the text instead."""
-        shows_tools = self.use_chat_template and "tools" in str(getattr(self.tokenizer, "chat_template", ""))
-        if self.tool_schemas and not shows_tools:
-            from .tools import tools_preamble
-
-            text = tools_preamble(self.tool_schemas) + text
+        text = self.user_content(text)
         if self.use_chat_template:
-            messages = [{"role": "user", "content": text}]
-            tools = [{"type": "function", "function": s} for s in self.tool_schemas] if shows_tools else None
-            extra = {"tools": tools} if tools else {}  # no key at all without tools: prompts as before
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
-        return text
+            return self.render([{"role": "user", "content": text}], add_generation_prompt=True)
+        return f"{self.system_prompt}\n\n{text}" if self.system_prompt else text
 
     def encode_prompts(self, texts: list[str]) -> list[list[int]]:
         """Prompt token ids. A chat template carries its own special tokens; raw text gets the
@@ -272,8 +287,11 @@ def load_agents(cfg: TrainConfig, num_agents: int) -> list[Agent]:
             shared[name][0].add_adapter(adapter_name(i), lora())
         model, tok, path = shared[name]
         use_template = cfg.model.chat_template == "auto" and bool(getattr(tok, "chat_template", None))
+        own = cfg.agents[i].system_prompt if i < len(cfg.agents) else None
         agents.append(Agent(index=i, model=model, tokenizer=tok, use_chat_template=use_template, model_path=path,
-                            tool_schemas=tool_schemas(cfg)))
+                            tool_schemas=tool_schemas(cfg),
+                            system_prompt=cfg.model.system_prompt if own is None else own,
+                            template_kwargs=dict(cfg.model.chat_template_kwargs)))
     return agents
 
 

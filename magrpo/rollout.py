@@ -13,7 +13,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -25,6 +25,9 @@ from .feedback import Branch, accepted
 from .generation import GenerationRequest, SamplingParams
 from .sampling import stream_key
 from .tree import Completion, Node, expanded, joint_actions
+
+if TYPE_CHECKING:  # the rollout stays model-free; a Conversation comes from the trainer
+    from .conversation import Conversation
 
 
 @dataclass(frozen=True)
@@ -185,8 +188,9 @@ class TreeExpander:
 
     def __init__(self, problems: Sequence[Mapping[str, Any]], env: Environment, backend: GenerationBackend,
                  feedback: Callable[[list[Branch]], list[list[str]]], tree: TreeSettings, sampling: SamplingParams,
-                 seed: int | None = None, tree_offset: int = 0):
+                 seed: int | None = None, tree_offset: int = 0, conversation: Conversation | None = None):
         self.problems, self.env, self.backend, self.feedback = problems, env, backend, feedback
+        self.conversation = conversation
         self.tree, self.sampling, self.seed, self.tree_offset = tree, sampling, seed, tree_offset
         self.n, self.k = env.num_agents, tree.num_generations
         self.joint = joint_actions(tree.joint_mode, self.k, self.n)
@@ -261,12 +265,18 @@ class TreeExpander:
         """Phase 1: K samples for every agent of every node, in one backend call. Sample k of agent a
         draws from stream (node, a, k); attempt > 0 (resampling) from streams of its own."""
         t0 = time.perf_counter()
-        requests = [GenerationRequest(node.prompts[a], a, self.k, self.stream(node, a, attempt))
-                    for node in nodes for a in range(self.n)]
+        requests = [self.request(node, a, attempt) for node in nodes for a in range(self.n)]
         samples = self.backend.generate(requests, self.sampling)
         for i, node in enumerate(nodes):
             node.completions, node.joint = samples[i * self.n : (i + 1) * self.n], self.joint
         self.rollout.timings["gen_s"] += time.perf_counter() - t0
+
+    def request(self, node: Node, agent: int, attempt: int) -> GenerationRequest:
+        """In a conversation the prompt is the first one, and the chat so far its continuation."""
+        if node.continuation:
+            return GenerationRequest(node.prompt_history[agent][0], agent, self.k, self.stream(node, agent, attempt),
+                                     continuation=node.continuation[agent])
+        return GenerationRequest(node.prompts[agent], agent, self.k, self.stream(node, agent, attempt))
 
     @staticmethod
     def stream(node: Node, agent: int, attempt: int) -> int | None:
@@ -298,7 +308,8 @@ class TreeExpander:
 
     def completion_info(self, node: Node, j: int) -> list[CompletionInfo]:
         """What the env and feedback see of joint action j's completions besides their texts, per agent."""
-        return [CompletionInfo(truncated=not node.completions[a][self.joint[j][a]].finished) for a in range(self.n)]
+        chosen = [node.completions[a][self.joint[j][a]] for a in range(self.n)]
+        return [CompletionInfo(truncated=not c.finished, tool_calls=list(c.tool_calls)) for c in chosen]
 
     def resample(self, level: list[Node], turn: int, scores: TurnScores) -> TurnScores:
         """Phase 3 (dynamic sampling): regenerate and rescore the nodes whose every agent group got equal
@@ -367,13 +378,23 @@ class TreeExpander:
             for (i, j), branch, prompts in zip(branching.parents, branching.branches, branching.prompts):
                 parent = level[i]
                 parent.children[j] = first_id + len(level) + len(children)
+                history = [branch.prompt_history[a] + [prompts[a]] for a in range(self.n)]
                 children.append(Node(
                     tree=parent.tree, turn=turn + 1, parent=(first_id + i, j), prompts=prompts,
-                    prompt_history=[branch.prompt_history[a] + [prompts[a]] for a in range(self.n)],
-                    response_history=branch.response_history,
+                    prompt_history=history, response_history=branch.response_history,
                     stream=None if parent.stream is None else stream_key(parent.stream, j),
+                    continuation=self.continued(parent, j, history, branch.response_history),
                 ))
         return children
+
+    def continued(self, parent: Node, j: int, history: list[list[str]], replies: list[list[str]]
+                  ) -> list[tuple[int, ...]]:
+        """The child's chat so far per agent (a conversation), else []: its prompts say it all."""
+        if self.conversation is None:
+            return []
+        return [self.conversation.extend(a, parent.continuation[a] if parent.continuation else (),
+                                         parent.completions[a][self.joint[j][a]], history[a][-1], history[a],
+                                         replies[a]) for a in range(self.n)]
 
 
 def expand_trees(
@@ -385,6 +406,7 @@ def expand_trees(
     sampling: SamplingParams,
     seed: int | None = None,
     tree_offset: int = 0,
+    conversation: Conversation | None = None,
 ) -> Rollout:
     """One step's trees for `problems` (TreeExpander). `feedback(branches) -> next-turn prompts per
     branch` (a magrpo.feedback.Feedback).
@@ -394,7 +416,7 @@ def expand_trees(
     whatever else is in the batch, e.g. when a data-parallel run gives this process the trees from
     `tree_offset` on (its tokens can still differ at a near tie where the batch rounds its logits
     otherwise: docs/long-runs.md, Reproducibility)."""
-    return TreeExpander(problems, env, backend, feedback, tree, sampling, seed, tree_offset).run()
+    return TreeExpander(problems, env, backend, feedback, tree, sampling, seed, tree_offset, conversation).run()
 
 
 def portable(rollout: Rollout, tree_offset: int) -> Rollout:

@@ -14,10 +14,23 @@ from typing import Callable, Sequence
 
 from .generation import GenerationRequest, SamplingParams
 from .sampling import stream_key
-from .tools import CALL_END, Tool, ToolStats, execute_calls, parse_call, resolve, response_text
+from .tools import (
+    CALL_END,
+    CallError,
+    Tool,
+    ToolCall,
+    ToolResult,
+    ToolStats,
+    execute_calls,
+    parse_call,
+    resolve,
+    response_text,
+)
 from .tree import Completion
 
 EncodeText = Callable[[int, str], list[int]]  # (agent, text) -> token ids, no special tokens
+# (agent, tool result) -> (text, token ids) of the chat template's own tool message; None: the plain format
+ToolMessage = Callable[[int, str], "tuple[str, list[int]] | None"]
 
 
 @dataclass(frozen=True)
@@ -49,6 +62,7 @@ class Turn:
     texts: list[str] = field(default_factory=list)
     logprobs: list[float] | None = None
     finished: bool = False
+    calls: list[dict] = field(default_factory=list)  # the calls made, with their results (Completion.tool_calls)
 
     def tokens(self) -> list[int]:
         return [t for ids, _ in self.segments for t in ids]
@@ -66,11 +80,12 @@ class Turn:
 
     def completion(self) -> Completion:
         return Completion.from_segments(self.segments, "".join(self.texts), self.prompt_ids, self.finished,
-                                        self.logprobs)
+                                        self.logprobs, self.calls)
 
 
 def generate_with_tools(backend, requests: Sequence[GenerationRequest], params: SamplingParams,
-                        settings: ToolSettings, encode_text: EncodeText, stats: ToolStats) -> list[list[Completion]]:
+                        settings: ToolSettings, encode_text: EncodeText, stats: ToolStats,
+                        message: ToolMessage | None = None) -> list[list[Completion]]:
     """What `backend.generate(requests, params)` returns, with tool calls made and their results
     spliced into each completion; one generate call per round, all branches' calls of a round at once."""
     params = replace(params, stop=(*params.stop, CALL_END))
@@ -91,12 +106,15 @@ def generate_with_tools(backend, requests: Sequence[GenerationRequest], params: 
                                 settings.max_output_chars, settings.max_concurrency)
         stats.add(results)
         resume = []
-        for (turn, _), result in zip(calling, results):
-            tool_ids = encode_text(turn.request.agent, response_text(result.text))
+        for (turn, call), result in zip(calling, results):
+            turn.calls.append(call_record(call, result))
+            templated = message(turn.request.agent, result.text) if message is not None else None
+            text, tool_ids = templated or (response_text(result.text),
+                                           encode_text(turn.request.agent, response_text(result.text)))
             if len(turn.tokens()) + len(tool_ids) >= params.max_new_tokens:
                 continue  # no room left to read the result and answer: the turn ends at its call (never half a message)
             turn.segments.append((tool_ids, False))
-            turn.texts.append(response_text(result.text))
+            turn.texts.append(text)
             resume.append(turn)
         if resume:
             budgets = [params.max_new_tokens - len(t.tokens()) for t in resume]
@@ -107,12 +125,19 @@ def generate_with_tools(backend, requests: Sequence[GenerationRequest], params: 
     return [[t.completion() for t in row] for row in turns]
 
 
+def call_record(call: ToolCall | CallError, result: ToolResult) -> dict:
+    """One call as plain data (what envs and feedback see, and the per-turn metrics count)."""
+    parsed = isinstance(call, ToolCall)
+    return {"name": call.name if parsed else None, "arguments": call.arguments if parsed else None,
+            "output": result.text, "error": result.error, "seconds": result.seconds}
+
+
 def resume_request(turn: Turn, round_: int) -> GenerationRequest:
     """One sample resumed after its tool message, on a random stream of its own (sample k of the
     request, round r): the same tokens in any batch, never the first round's numbers again."""
     req = turn.request
     seed = None if req.seed is None else stream_key(req.seed, turn.sample, round_)
-    return replace(req, n=1, seed=seed, continuation=tuple(turn.tokens()))
+    return replace(req, n=1, seed=seed, continuation=(*req.continuation, *turn.tokens()))
 
 
 def text_encoder(agents) -> EncodeText:
@@ -128,8 +153,8 @@ class ToolBackend:
     alike); every other member is the wrapped backend's. `metrics` adds the tool numbers since the
     last call (tools/calls, tools/errors/<kind>, tools/seconds)."""
 
-    def __init__(self, inner, settings: ToolSettings, encode_text: EncodeText):
-        self.inner, self.settings, self.encode_text = inner, settings, encode_text
+    def __init__(self, inner, settings: ToolSettings, encode_text: EncodeText, message: ToolMessage | None = None):
+        self.inner, self.settings, self.encode_text, self.message = inner, settings, encode_text, message
         self.batch_setting = inner.batch_setting
         self.stats = ToolStats()
 
@@ -142,7 +167,8 @@ class ToolBackend:
         return self.inner.generated_tokens
 
     def generate(self, requests: Sequence[GenerationRequest], params: SamplingParams) -> list[list[Completion]]:
-        return generate_with_tools(self.inner, requests, params, self.settings, self.encode_text, self.stats)
+        return generate_with_tools(self.inner, requests, params, self.settings, self.encode_text, self.stats,
+                                   self.message)
 
     def halve_batch(self) -> int | None:
         return self.inner.halve_batch()
@@ -165,4 +191,20 @@ class ToolBackend:
 def with_tools(backend, cfg, agents):
     """`backend` itself when no tool is configured (generation exactly as before), else wrapped."""
     settings = ToolSettings.of(cfg)
-    return backend if settings is None else ToolBackend(backend, settings, text_encoder(agents))
+    return backend if settings is None else ToolBackend(backend, settings, text_encoder(agents), tool_messages(agents))
+
+
+def tool_messages(agents) -> ToolMessage:
+    """Agents whose chat template shows tools (Qwen2.5/Qwen3) get each result as the template's own tool
+    message (it ends the reply's message, e.g. a user turn holding <tool_response>, then reopens the
+    assistant's); the others get the plain format."""
+    from .conversation import tool_message, turn_template
+
+    key, fallback = "tools.names", "use model.chat_template=never for the plain tool format"
+    templates = {a.index: turn_template(a, "tool", key, fallback) for a in agents if a.shows_tools()}
+
+    def message(agent: int, result: str) -> tuple[str, list[int]] | None:
+        template = templates.get(agent)
+        return None if template is None else tool_message(agents[agent], template, result)
+
+    return message

@@ -186,11 +186,13 @@ class Run:
         # Before any model loads: a resume that does not match its run stops here (rank 0 decides).
         chosen = checkpoint.on_main(world, lambda: checkpoint.choose(cfg.resume, str(run_dir), asdict(cfg)))
         seed_everything(cfg.trainer.seed)  # the same on every rank: identical initial adapters
+        from .conversation import conversation_of
         from .models import load_agents, model_dtype
 
         trainer, generation = cfg.trainer, cfg.generation
         self.cfg, self.env, self.feedback, self.world = cfg, env, feedback, world
         self.agents = load_agents(cfg, env.num_agents)
+        self.conversation = conversation_of(cfg.external, self.agents)  # a template it cannot grow stops here
         self.backend = make_backend(cfg, self.agents)
         self.updaters = [AgentUpdater(a, trainer.lr, trainer.weight_decay, trainer.warmup_steps) for a in self.agents]
         self.dir = run_dir
@@ -252,7 +254,7 @@ class Run:
         lo, hi = world.shard(len(problems))
         rollout = oom_retry(lambda: expand_trees(problems[lo:hi], self.env, self.backend, self.feedback, self.tree,
                                                  self.sampling, seed=stream_key(trainer.seed, step, TRAIN_STREAM),
-                                                 tree_offset=lo),
+                                                 tree_offset=lo, conversation=self.conversation),
                             self.backend.halve_batch, self.backend.batch_setting)
         return rollout, {"start": start, "tokens": self.backend.generated_tokens - tokens_before, "offset": lo,
                          "backend_metrics": self.backend.metrics()}  # this rollout's numbers, before eval adds its own
@@ -306,7 +308,8 @@ class Run:
         out = evaluate(self.env, self.backend, self.feedback, self.eval_problems, trainer.num_turns, self.sampling,
                        self.cfg.eval.num_samples, seed=stream_key(trainer.seed, step, EVAL_STREAM), world=self.world,
                        early_termination_threshold=trainer.early_termination_threshold,
-                       on_reward_error=self.cfg.reward.on_error, stop_on_truncation=trainer.stop_on_truncation)
+                       on_reward_error=self.cfg.reward.on_error, stop_on_truncation=trainer.stop_on_truncation,
+                       conversation=self.conversation)
         if self.world.is_main:
             last = trainer.num_turns - 1
             summary = ", ".join(
@@ -422,6 +425,7 @@ def _metrics(rollout: Rollout, agent_stats: list[dict], num_turns: int) -> dict[
         # neither stopped nor expanded: left out by trainer.expand (the last turn expands nothing)
         out[f"train/turn_{turn}/unexpanded"] = 0 if turn == num_turns - 1 else sum(
             c is None and not stopped for n in at for c, stopped in zip(n.children, n.terminated))
+        out.update(turn_tool_metrics(turn, [c for n in at for agent in n.completions for c in agent]))
     for a, stats in enumerate(agent_stats):
         for key, value in stats.items():
             out[f"train/agent_{a}/{key}"] = value
@@ -434,6 +438,20 @@ def _metrics(rollout: Rollout, agent_stats: list[dict], num_turns: int) -> dict[
         if own:  # the env gives per-agent rewards: agent a's own, before mixing with the team's
             out[f"train/agent_{a}/reward_mean"] = float(np.concatenate(own).mean())
     return out
+
+
+def turn_tool_metrics(turn: int, completions: list) -> dict[str, float]:
+    """One turn's tool numbers over its completions (all samples): logged only where a turn used tools
+    or inserted tokens, so runs without them log nothing new."""
+    calls = [call for c in completions for call in c.tool_calls]
+    inserted = sum(len(c.model_mask) - sum(c.model_mask) for c in completions if c.model_mask is not None)
+    if not calls and not inserted:
+        return {}
+    return {f"tools/turn_{turn}/calls": len(calls),
+            f"tools/turn_{turn}/errors": sum(call["error"] is not None for call in calls),
+            f"tools/turn_{turn}/seconds": float(sum(call["seconds"] for call in calls)),
+            f"tools/turn_{turn}/call_rate": float(np.mean([bool(c.tool_calls) for c in completions])),
+            f"train/turn_{turn}/masked_token_share": inserted / max(1, sum(len(c.token_ids) for c in completions))}
 
 
 def backend_device(agents) -> torch.device:

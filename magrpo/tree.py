@@ -92,18 +92,20 @@ class Completion:
     finished: bool  # ended with EOS (False: cut at max_new_tokens)
     logprobs: list[float] | None = None  # sampling log-probs of the model tokens, when the backend returns them
     model_mask: list[bool] | None = None  # per token: sampled by the model (None: every token)
+    tool_calls: list[dict] = field(default_factory=list)  # per call made in the turn: name, arguments, output,
+    # error (an ERROR_KINDS entry or None) and seconds (magrpo.tool_loop)
 
     def __post_init__(self) -> None:
         check_model_mask(self.token_ids, self.model_mask, self.logprobs)
 
     @classmethod
     def from_segments(cls, segments: list[tuple[list[int], bool]], text: str, prompt_ids: list[int], finished: bool,
-                      logprobs: list[float] | None = None) -> "Completion":
+                      logprobs: list[float] | None = None, tool_calls: list[dict] | None = None) -> "Completion":
         """A turn built from (token ids, sampled by the model) segments in order, e.g. model text, a
         tool's output, model text again; `logprobs` covers the model segments only."""
         token_ids = [t for ids, _ in segments for t in ids]
         mask = [model for ids, model in segments for _ in ids]
-        return cls(token_ids, text, prompt_ids, finished, logprobs, None if all(mask) else mask)
+        return cls(token_ids, text, prompt_ids, finished, logprobs, None if all(mask) else mask, tool_calls or [])
 
 
 def check_model_mask(token_ids: list[int], model_mask: list[bool] | None, logprobs: list[float] | None) -> None:
@@ -137,6 +139,8 @@ class Node:
     advantages: np.ndarray | None = None  # (N, K)
     zero_std: np.ndarray | None = None  # (N,) bool: the agent's group at this node had no reward variance
     stream: int | None = None  # random-stream key of this node (from the run seed, step, tree and path)
+    continuation: list[tuple[int, ...]] = field(default_factory=list)  # per agent, in a conversation
+    # (external.history=messages | continuation): prompt ids after the encoded first prompt; empty otherwise
 
 
 def count_leaves(nodes: list[Node]) -> int:

@@ -9,7 +9,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Optional
 
-from .config import TrainConfig, above, at_least, check_finite, choice, flatten, under
+from .config import ENCODING_CHECKS, HISTORY_MODES, TrainConfig, above, at_least, check_finite, choice, flatten, under
 from .errors import ConfigError
 from .registry import registry_hint
 
@@ -120,6 +120,8 @@ def validate(cfg: TrainConfig) -> None:
             "model.tiny_hidden_size", f"must be a positive multiple of 8, got {cfg.model.tiny_hidden_size}"
         )
     at_least("external.max_concurrency", cfg.external.max_concurrency, 1)
+    choice("external.history", cfg.external.history, HISTORY_MODES)
+    choice("external.encoding_check", cfg.external.encoding_check, ENCODING_CHECKS)
     expert = cfg.external.expert
     choice("external.expert.backend", expert.backend, ["auto", "reference", "openai", "hf"])
     above("external.expert.timeout_s", expert.timeout_s, 0)

@@ -13,6 +13,7 @@ import functools
 import html
 import json
 import math
+import re
 import sys
 from pathlib import Path
 from typing import Any, Sequence
@@ -133,6 +134,8 @@ table.joints { border-collapse: collapse; width: 100%; margin-top: 6px; font-siz
 .joint[data-terminated="true"] { background: #fdecea; }
 .badge { border-radius: 3px; padding: 0 5px; font-size: 11px; white-space: nowrap; }
 .badge.terminated { background: #d62728; color: #fff; } .badge.leaf { background: #ddd; }
+.badge.tools { background: #1f77b4; color: #fff; }
+.tool-call { background: #dbe9f7; border-radius: 3px; } .tool-output { background: #fff3cd; border-radius: 3px; }
 """
 
 # Clicking a joint action outlines what its links point to (the completions it combines and its
@@ -206,7 +209,7 @@ def _node_html(node: dict, scale: list[float]) -> str:
         f'<details><summary>prompt</summary>{_text_html(node["prompts"][agent], collapse=False)}</details>'
         + "".join(
             f'<div class="completion" id="n{nid}-a{agent}-k{k}" style="background: {_adv_colour(adv, scale[agent])}">'
-            f'<div class="cmeta">k{k} · advantage {_fmt(adv, "+.3f")}</div>{_text_html(text)}</div>'
+            f'<div class="cmeta">k{k} · advantage {_fmt(adv, "+.3f")}{_calls_note(text)}</div>{_text_html(text)}</div>'
             for k, (text, adv) in enumerate(zip(node["completions"][agent], node["advantages"][agent]))
         )
         + "</div>"
@@ -219,6 +222,11 @@ def _node_html(node: dict, scale: list[float]) -> str:
         f'<table class="joints"><tr><th>joint</th><th>completions</th><th>reward</th><th>return</th>'
         f"<th>next</th></tr>{rows}</table></section>"
     )
+
+
+def _calls_note(text: str) -> str:
+    calls = tool_calls_in(text)
+    return f' · <span class="badge tools">{calls} tool call{"s" if calls != 1 else ""}</span>' if calls else ""
 
 
 def _joint_html(nid: int, j: int, ja: dict) -> str:
@@ -235,10 +243,30 @@ def _joint_html(nid: int, j: int, ja: dict) -> str:
     )
 
 
+# A turn with tools holds its calls and their results inline (docs/tools.md): each gets a colour of its own.
+TOOL_SPANS = re.compile(r"(<tool_call>.*?</tool_call>|<tool_response>.*?</tool_response>)", re.DOTALL)
+
+
+def _marked_up(text: str) -> str:
+    """The text escaped, with tool calls and tool results wrapped in spans."""
+    out = []
+    for i, part in enumerate(TOOL_SPANS.split(text)):
+        if i % 2 == 0:
+            out.append(html.escape(part))
+        else:
+            kind = "tool-call" if part.startswith("<tool_call>") else "tool-output"
+            out.append(f'<span class="{kind}">{html.escape(part)}</span>')
+    return "".join(out)
+
+
+def tool_calls_in(text: str) -> int:
+    return sum(1 for part in TOOL_SPANS.findall(text) if part.startswith("<tool_call>"))
+
+
 def _text_html(text: str, collapse: bool = True) -> str:
     if not text:
         return '<pre class="empty">(empty)</pre>'
-    body = f"<pre>{html.escape(text)}</pre>"
+    body = f"<pre>{_marked_up(text)}</pre>"
     if collapse and (len(text) > COLLAPSE_CHARS or text.count("\n") > COLLAPSE_LINES):
         preview = " ".join(text.split())[:80]
         return f"<details><summary>{html.escape(preview)}… ({len(text)} chars)</summary>{body}</details>"

@@ -66,8 +66,9 @@ def test_custom_feedback_receives_the_code_env_context_and_branch_histories(run_
         context = call["context"]
         # the problem's fields (HumanEval's columns, prompt aside) under the env's context, options, completion_info
         assert set(context) == CodeEnv.context_keys | {"options", "completion_info"} | (set(problems[0]) - {"prompt"})
-        assert [set(info) for info in context["completion_info"]] == [{"truncated"}] * 2
-        assert context["options"] == {"original_prompt": True, "history": True, "show_partner": False}
+        assert [set(info) for info in context["completion_info"]] == [{"truncated", "tool_calls"}] * 2
+        assert context["options"] == {"original_prompt": True, "history": True, "history_mode": "attempts",
+                                      "show_partner": False}
         assert context["entry_point"] in call["prompt_history_per_agent"][1][0]
         assert context["total"] == len(context["tests"]) > 0
         for i in range(2):

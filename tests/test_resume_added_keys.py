@@ -54,3 +54,18 @@ def test_a_key_the_checkpoint_has_and_the_code_lost_is_still_a_change(current):
     stored = copy.deepcopy(current)
     stored["trainer"]["retired_option"] = 1
     assert "trainer.retired_option" in config_changes(stored, current)
+
+
+@pytest.mark.parametrize("stored_value,now", [(False, "off"), (True, "attempts")])
+def test_external_history_written_as_a_bool_means_its_mode(make_cfg, stored_value, now):
+    """external.history was a bool before it had modes: a checkpoint's false/true is off/attempts."""
+    current = asdict(make_cfg(f"external.history={now}"))
+    stored = copy.deepcopy(current)
+    stored["external"]["history"] = stored_value
+    assert config_changes(stored, current) == {}
+    assert list(config_changes(stored, asdict(make_cfg("external.history=messages")))) == ["external.history"]
+
+
+@pytest.mark.parametrize("given,mode", [("true", "attempts"), ("false", "off"), ("messages", "messages")])
+def test_external_history_takes_the_old_bools_on_the_command_line(make_cfg, given, mode):
+    assert make_cfg(f"external.history={given}").external.history == mode

@@ -251,6 +251,34 @@ def test_a_call_is_run_its_result_spliced_in_masked_and_generation_resumes():
     assert stats.calls == 3 and not stats.errors
 
 
+def test_each_completion_records_its_calls_for_envs_feedback_and_metrics():
+    from magrpo.trainer import turn_tool_metrics
+
+    backend = ToolScriptBackend([call('{"name": "nope", "arguments": {}}'), CALC, " So it is 42."])
+    [[c, *_]] = loop(backend, k=2)
+    assert [(r["name"], r["arguments"], r["output"], r["error"]) for r in c.tool_calls] == [
+        ("nope", {}, "error: unknown tool 'nope'; tools: calculator", "unknown_tool"),
+        ("calculator", {"expression": "6*7"}, "42", None)]
+    plain = ToolScriptBackend(["The answer is 42."])
+    [[quiet, *_]] = loop(plain)
+    assert quiet.tool_calls == []
+    metrics = turn_tool_metrics(1, [c, quiet])
+    assert (metrics["tools/turn_1/calls"], metrics["tools/turn_1/errors"], metrics["tools/turn_1/call_rate"]) == \
+        (2, 1, 0.5)
+    assert metrics["train/turn_1/masked_token_share"] == (len(c.model_mask) - sum(c.model_mask)) / (
+        len(c.token_ids) + len(quiet.token_ids))
+    assert turn_tool_metrics(0, [quiet]) == {}  # no tools, no new rows
+
+
+def test_resuming_a_turn_keeps_the_requests_own_continuation():
+    backend = ToolScriptBackend([CALC, " done"])
+    requests = [GenerationRequest("P", agent=0, n=1, seed=7, continuation=(5, 6))]
+    generate_with_tools(backend, requests, SamplingParams(max_new_tokens=400), settings(), backend.encode, ToolStats())
+    _, [resumed] = backend.calls
+    assert resumed.continuation[:2] == (5, 6)  # a conversation's earlier turns, then this turn's tokens
+    assert resumed.continuation[2:] == tuple(ToolScriptBackend.encode(0, CALC + response_text("42")))
+
+
 def test_all_branches_resume_in_one_generate_call_on_streams_of_their_own():
     backend = ToolScriptBackend([CALC, " done"])
     loop(backend, k=3)
@@ -382,6 +410,8 @@ def test_a_training_run_calls_tools_and_masks_their_output(make_cfg, monkeypatch
     metrics = [json.loads(line) for line in open(run / "metrics.jsonl")]
     assert all(m["tools/calls"] > 0 for m in metrics)
     assert any(m["train/agent_0/masked_token_share"] > 0 for m in metrics)
+    assert all(m["tools/turn_0/calls"] > 0 and 0 < m["tools/turn_0/call_rate"] <= 1 for m in metrics)
+    assert any(m["train/turn_0/masked_token_share"] > 0 for m in metrics)
     assert "<tool_response>\\n42\\n</tool_response>" in (run / "rollouts.jsonl").read_text()
 
 

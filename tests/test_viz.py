@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from magrpo.viz import load_tree, render_tree_html, render_tree_png
+from magrpo.viz import load_tree, render_tree_html, render_tree_png, tool_calls_in
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = [
@@ -116,6 +116,17 @@ def hand_record() -> dict:
                       node(1, 1, [0, 0], [(0.5, 0.5, False, None), (0.25, 0.25, False, None)])]}
 
 
+TOOL_TURN = ('I will compute it. <tool_call>{"name": "calculator", "arguments": {"expression": "6*7"}}</tool_call>'
+             "\n<tool_response>\n42 </pre><script>alert(4)</script>\n</tool_response>\nThe answer is 42.")
+
+
+def tool_record() -> dict:
+    """hand_record with a turn that called a tool (its output carries HTML to escape)."""
+    record = hand_record()
+    record["nodes"][0]["completions"][0][1] = TOOL_TURN
+    return record
+
+
 def synthetic(k: int, n: int, t: int) -> dict:
     """A full cross tree: K^N joint actions per node, 1 + K^N + K^2N + ... nodes."""
     joints = [list(p) for p in itertools.product(range(k), repeat=n)]
@@ -196,6 +207,17 @@ def test_html_escapes_every_text():
     assert "<script>alert" not in page and "<img" not in page and "</pre><script>" not in page
     assert page.count("<script") == 1  # the page's own script, nothing from the record
     assert "a &amp; b &quot;q&quot; &#x27;s&#x27;" in page
+
+
+def test_html_shows_tool_calls_and_outputs_inline_and_escaped():
+    page = render_tree_html(tool_record())
+    dom = Elements(page)
+    calls, outputs = dom.with_class("tool-call"), dom.with_class("tool-output")
+    assert len(calls) == 1 and len(outputs) == 1
+    assert "1 tool call</span>" in page
+    assert "&lt;tool_call&gt;{&quot;name&quot;: &quot;calculator&quot;" in page
+    assert "42 &lt;/pre&gt;&lt;script&gt;alert(4)" in page and page.count("<script") == 1
+    assert render_tree_html(hand_record()).count("tool-call") == 1  # no tool, no span (the CSS rule alone)
 
 
 def test_html_marks_terminated_leaf_and_continuing_joint_actions():
@@ -288,9 +310,9 @@ def test_chromium_console_check_detects_a_thrown_error(chromium, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("source", ["hand", "cross"])
+@pytest.mark.parametrize("source", ["hand", "cross", "tools"])
 def test_page_renders_in_chromium_without_console_errors(chromium, tmp_path, source):
-    record = hand_record() if source == "hand" else synthetic(2, 2, 2)
+    record = {"hand": hand_record, "tools": tool_record}.get(source, lambda: synthetic(2, 2, 2))()
     page = tmp_path / "tree.html"
     page.write_text(render_tree_html(record))
     done = chromium(page, "--virtual-time-budget=2000", "--dump-dom")
@@ -299,6 +321,8 @@ def test_page_renders_in_chromium_without_console_errors(chromium, tmp_path, sou
     assert len([a for _, a in dom.tags if a.get("class") == "node"]) == len(record["nodes"])
     body = next(attrs for tag, attrs in dom.tags if tag == "body")
     assert body.get("data-rendered-nodes") == str(len(record["nodes"]))  # the page's script ran to the end
+    calls = sum(tool_calls_in(t) for n in record["nodes"] for agent in n["completions"] for t in agent)
+    assert len(dom.with_class("tool-call")) == calls  # the browser's DOM holds every call, inline
 
 
 @pytest.mark.slow
