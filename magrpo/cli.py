@@ -250,6 +250,11 @@ def _one_line(e: Exception, env_name, config_dir: Path | None, config_name: str)
         return _from_omegaconf(e, env_name)
     cause = e.__cause__ or e.__context__
     if isinstance(cause, OmegaConfBaseException):
+        listed = re.search(r"Could not override '([^']+)'", str(e))
+        element = getattr(cause, "object_type", None)  # an entry of a list of dataclasses (agents, tools.mcp)
+        if listed and dataclasses.is_dataclass(element) and "not in" in str(cause):
+            key = f"{listed.group(1)}[i].{getattr(cause, 'full_key', '')}"
+            return ConfigError(key, f"unknown key; allowed: {', '.join(f.name for f in dataclasses.fields(element))}")
         return _from_omegaconf(cause, env_name)
     return _from_hydra(e, env_name, config_dir, config_name)
 

@@ -303,16 +303,26 @@ def text_size(value) -> int:
 
 
 def validate_tools(cfg: TrainConfig) -> None:
-    """The `tools` section: names resolve (registered or module:attr), limits positive, hf backend."""
+    """The `tools` section: limits positive, hf backend, MCP entries well formed; then every tool
+    resolves (registered or module:attr) and every MCP server starts and lists its tools (once: the run
+    reuses those sessions)."""
     t = cfg.tools
     at_least("tools.max_calls", t.max_calls, 1)
     above("tools.timeout_s", t.timeout_s, 0)
     at_least("tools.max_output_chars", t.max_output_chars, 1)
     at_least("tools.max_concurrency", t.max_concurrency, 1)
-    if not t.names:
+    for i, server in enumerate(t.mcp):
+        if bool(server.command) == bool(server.url):
+            raise ConfigError(f"tools.mcp[{i}]", "give exactly one of command (a stdio server, e.g. "
+                                                 "[python,-m,my_pkg.server]) or url (streamable HTTP)")
+        if server.url and not server.url.startswith(("http://", "https://")):
+            raise ConfigError(f"tools.mcp[{i}].url", f"{server.url!r} is not an http:// or https:// URL")
+        above(f"tools.mcp[{i}].start_timeout_s", server.start_timeout_s, 0)
+    if not t.names and not t.mcp:
         return
-    from .tools import resolve
-
-    resolve(t.names, "tools.names")
     if cfg.backend != "hf":
-        raise ConfigError("tools.names", f"tools run with backend=hf only for now, not backend={cfg.backend}")
+        key = "tools.names" if t.names else "tools.mcp"
+        raise ConfigError(key, f"tools run with backend=hf only for now, not backend={cfg.backend}")
+    from .tool_loop import configured
+
+    configured(t)
