@@ -1,5 +1,5 @@
-"""A real stdio MCP server for the tests (tests/test_mcp_tools.py), written with the MCP SDK:
-`python -m tests.mcp_server` from the repository root."""
+"""A real MCP server for the tests (tests/test_mcp_tools.py), written with the MCP SDK:
+`python -m tests.mcp_server` (stdio) from the repository root."""
 from mcp.server.mcpserver import MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
 
@@ -19,6 +19,15 @@ def fail(reason: str) -> str:
 
 
 @server.tool()
+async def wait(seconds: float) -> str:
+    """Answer after some seconds (a test's call times out first)."""
+    import anyio
+
+    await anyio.sleep(seconds)
+    return "waited"
+
+
+@server.tool()
 def pid() -> str:
     """The server's process id (a test checks it is gone after the run)."""
     import os
@@ -26,5 +35,10 @@ def pid() -> str:
     return str(os.getpid())
 
 
-if __name__ == "__main__":
-    server.run()
+if __name__ == "__main__":  # `python -m tests.mcp_server http PORT`: streamable HTTP at /mcp; otherwise stdio
+    import sys
+
+    if sys.argv[1:2] == ["http"]:
+        server.run("streamable-http", host="127.0.0.1", port=int(sys.argv[2]))
+    else:
+        server.run()

@@ -58,7 +58,7 @@ def call(tools, *calls: ToolCall):
 
 
 def test_discovery_gives_each_tool_its_openai_schema(opened):
-    assert list(opened) == ["add", "fail", "pid"]
+    assert list(opened) == ["add", "fail", "wait", "pid"]
     add = opened["add"].schema
     assert add["name"] == "add" and add["description"] == "Add two integers."
     assert add["parameters"]["required"] == ["a", "b"]
@@ -79,6 +79,13 @@ def test_a_call_returns_the_tools_text_and_errors_count_by_kind(opened):
     assert wrong_type.error == "raised" and "validation error" in wrong_type.text  # the server checks types
 
 
+def test_a_call_past_its_timeout_ends_and_the_session_goes_on(opened):
+    [slow] = execute_calls([ToolCall("wait", {"seconds": 60})], list(opened.values()), 0.5, 1000, 8)
+    assert slow.error == "timeout" and slow.text == "error: 'wait' timed out after 0.5 s"
+    [after] = call(opened, ToolCall("add", {"a": 2, "b": 2}))  # the request was cancelled, not the session
+    assert after.text == "4"
+
+
 def test_the_sessions_serve_calls_from_round_after_round(opened):
     # every round runs in a new asyncio.run loop; the session stays in its own
     for a in range(3):
@@ -86,11 +93,42 @@ def test_the_sessions_serve_calls_from_round_after_round(opened):
         assert r.text == str(a + 1)
 
 
+def test_a_server_at_a_url_over_streamable_http():
+    import socket
+    import subprocess
+    import time
+
+    from magrpo.mcp_tools import close, mcp_tools
+
+    with socket.socket() as s:  # a free port
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    process = subprocess.Popen([sys.executable, "-m", "tests.mcp_server", "http", str(port)], cwd=ROOT,
+                               stderr=subprocess.DEVNULL)
+    servers = [McpServerConfig(url=f"http://127.0.0.1:{port}/mcp", tools=["add"])]
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # until it listens
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert process.poll() is None and time.monotonic() < deadline, "the HTTP server did not start"
+                time.sleep(0.05)
+        [tools] = mcp_tools(servers)
+        [r] = execute_calls([ToolCall("add", {"a": 1, "b": 2})], tools, 60.0, 1000, 8)
+        assert [t.name for t in tools] == ["add"] and (r.text, r.error) == ("3", None)
+    finally:
+        close(servers)
+        process.kill()
+        process.wait()
+
+
 def test_a_selection_of_a_tool_the_server_lacks_names_what_it_has():
     from magrpo.mcp_tools import mcp_tools
 
     with pytest.raises(ConfigError, match=r"^tools\.mcp\[0\]\.tools: 'mul': not a tool of the server .*; it has: "
-                                          r"add, fail, pid$"):
+                                          r"add, fail, wait, pid$"):
         mcp_tools([server(tools=["add", "mul"])])
 
 
@@ -157,7 +195,7 @@ def test_a_training_run_calls_an_mcp_tool_and_ends_its_server(make_cfg, monkeypa
 
     marker = f"mcp-run-{os.getpid()}"  # an argument the server ignores, to find its process
     cfg = make_cfg(override(server(marker, tools=["add"])), "tools.max_calls=1", "trainer.steps=1",
-                   "eval.at_end=false", "generation.max_new_tokens=24")
+                   "trainer.num_turns=1", "eval.at_end=false", "generation.max_new_tokens=24")
     opened, real = [], magrpo.mcp_tools.McpServers
     monkeypatch.setattr(magrpo.mcp_tools, "McpServers", lambda servers: opened.append(real(servers)) or opened[-1])
     assert [s["name"] for s in tool_schemas(cfg)] == ["add"]  # the selection: fail and pid are not offered
