@@ -52,14 +52,17 @@ class McpServers:
         """Open every session in this one task and hold them until `close`: anyio's task groups (inside
         the transports) must be left by the task that entered them."""
         self.stop = asyncio.Event()
+        connecting = 0  # the entry being connected: a transport's own task may fail after _connect returned
         try:
             async with AsyncExitStack() as stack:
-                tools = [await self._connect(stack, f"tools.mcp[{i}]", server) for i, server in enumerate(servers)]
+                tools = []
+                for connecting, server in enumerate(servers):
+                    tools.append(await self._connect(stack, f"tools.mcp[{connecting}]", server))
                 ready.set_result(tools)
                 await self.stop.wait()
         except BaseException as e:  # noqa: BLE001  (start-up failures go to the caller; later ones end quietly)
             if not ready.done():
-                ready.set_exception(start_error(e))
+                ready.set_exception(start_error(e, connecting, servers[connecting]))
 
     async def _connect(self, stack: AsyncExitStack, key: str, server: McpServerConfig) -> list[Tool]:
         import anyio
@@ -205,16 +208,17 @@ def last_line(stderr) -> str:
     return f"; its stderr ends: {lines[-1][:300]}" if lines else ""
 
 
-def start_error(e: BaseException) -> BaseException:
+def start_error(e: BaseException, i: int, server: McpServerConfig) -> BaseException:
     """The ConfigError raised inside the transports' task groups (they may wrap it in a group), else
-    the first error there, as a ConfigError naming tools.mcp."""
+    the first error there, as a ConfigError naming the entry being connected."""
     if getattr(e, "exceptions", None):
         matched, _ = e.split(ConfigError)
         while getattr(matched, "exceptions", None):
             matched = matched.exceptions[0]
         if matched is not None:
             return matched
-    return e if isinstance(e, ConfigError) else ConfigError("tools.mcp", f"start-up failed: {first_error(e)}")
+    return e if isinstance(e, ConfigError) else ConfigError(f"tools.mcp[{i}]", f"{where(server)} could not be used: "
+                                                                               f"{first_error(e)}")
 
 
 # --- one set of servers per config, opened once ----------------------------------------------------

@@ -42,6 +42,14 @@ def server_processes(marker: str) -> list[int]:
     return pids
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @pytest.fixture(scope="module")
 def opened():
     """One server for the module's tests (each start costs about a second): its tools, closed at the end."""
@@ -100,9 +108,7 @@ def test_a_server_at_a_url_over_streamable_http():
 
     from magrpo.mcp_tools import close, mcp_tools
 
-    with socket.socket() as s:  # a free port
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     process = subprocess.Popen([sys.executable, "-m", "tests.mcp_server", "http", str(port)], cwd=ROOT,
                                stderr=subprocess.DEVNULL)
     servers = [McpServerConfig(url=f"http://127.0.0.1:{port}/mcp", tools=["add"])]
@@ -138,6 +144,10 @@ def test_bad_entries_stop_at_start_up_in_one_line(run_cli):
                                               "could not be used: FileNotFoundError")
     code, lines = run_cli(f"tools.mcp=[{{command:['{sys.executable}',-c,'raise SystemExit(\"no such server\")']}}]")
     assert code == 2 and "tools.mcp[0]" in lines[-1] and lines[-1].endswith("its stderr ends: no such server")
+    port = free_port()  # nothing listens there
+    code, lines = run_cli(f"tools.mcp=[{{url:'http://127.0.0.1:{port}/mcp'}}]")
+    assert code == 2 and lines[-1].startswith(f"config error: tools.mcp[0]: the server at http://127.0.0.1:{port}/mcp "
+                                              f"could not be used: ")
     code, lines = run_cli("tools.mcp=[{tools:[add]}]")
     assert code == 2 and "tools.mcp[0]: give exactly one of command" in lines[-1]
     code, lines = run_cli("tools.mcp=[{url:'ftp://x'}]")
