@@ -145,6 +145,7 @@ def validate(cfg: TrainConfig) -> None:
     for i, name in enumerate([cfg.model.name] + [a.model for a in cfg.agents if a.model]):
         key = "model.name" if i == 0 else "agents[].model"
         _check_model_name(key, name)
+    start_tools(cfg)  # last: MCP servers start only for a config that passed every cheaper check
 
 
 def check_loss_credit_options(cfg: TrainConfig) -> None:
@@ -303,9 +304,8 @@ def text_size(value) -> int:
 
 
 def validate_tools(cfg: TrainConfig) -> None:
-    """The `tools` section: limits positive, hf backend, MCP entries well formed; then every tool
-    resolves (registered or module:attr) and every MCP server starts and lists its tools (once: the run
-    reuses those sessions)."""
+    """The `tools` section: limits positive, names resolve (registered or module:attr), MCP entries well
+    formed, hf backend. The servers themselves start in `start_tools`."""
     t = cfg.tools
     at_least("tools.max_calls", t.max_calls, 1)
     above("tools.timeout_s", t.timeout_s, 0)
@@ -320,9 +320,18 @@ def validate_tools(cfg: TrainConfig) -> None:
         above(f"tools.mcp[{i}].start_timeout_s", server.start_timeout_s, 0)
     if not t.names and not t.mcp:
         return
+    from .tools import resolve
+
+    resolve(t.names, "tools.names")
     if cfg.backend != "hf":
         key = "tools.names" if t.names else "tools.mcp"
         raise ConfigError(key, f"tools run with backend=hf only for now, not backend={cfg.backend}")
-    from .tool_loop import configured
 
-    configured(t)
+
+def start_tools(cfg: TrainConfig) -> None:
+    """Every tool of the run, MCP servers' included: each server starts and lists its tools now (a
+    ConfigError naming tools.mcp[i] when it cannot), and the run reuses these sessions."""
+    if cfg.tools.mcp:
+        from .tool_loop import configured
+
+        configured(cfg.tools)
