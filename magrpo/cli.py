@@ -250,6 +250,14 @@ def _one_line(e: Exception, env_name, config_dir: Path | None, config_name: str)
         return _from_omegaconf(e, env_name)
     cause = e.__cause__ or e.__context__
     if isinstance(cause, OmegaConfBaseException):
+        # An unknown key inside an entry of a list of dataclasses (agents, tools.mcp): omegaconf names only the
+        # entry's key (`cmd`), hydra the list (`tools.mcp`).
+        listed = re.search(r"Could not override '([^']+)'", str(e))
+        element, inner = getattr(cause, "object_type", None), str(getattr(cause, "full_key", "") or "")
+        if listed and dataclasses.is_dataclass(element) and "not in" in str(cause) and inner \
+                and not (inner == listed.group(1) or inner.startswith(listed.group(1) + ".")):
+            names = ", ".join(f.name for f in dataclasses.fields(element))
+            return ConfigError(f"{listed.group(1)}[i].{inner}", f"unknown key; allowed: {names}")
         return _from_omegaconf(cause, env_name)
     return _from_hydra(e, env_name, config_dir, config_name)
 

@@ -352,6 +352,24 @@ class ToolsConfig:
     """A tool's result (or error) longer than this is cut, with a marker saying how much was left out (>= 1)."""
     max_concurrency: int = 8
     """Tool calls of one round (all branches of a turn) that run at once (>= 1)."""
+    mcp: list[McpServerConfig] = field(default_factory=list)
+    """MCP servers whose tools the agents may call too (docs/tools.md#mcp-servers), e.g.
+    'tools.mcp=[{command:[python,-m,my_pkg.server],tools:[add]}]'; empty = none (the mcp package is not imported)."""
+
+
+@dataclass
+class McpServerConfig:
+    command: list[str] = field(default_factory=list)
+    """A stdio MCP server: the command that starts it, e.g. [python, -m, my_pkg.server] (give this or url)."""
+    url: str = ""
+    """An MCP server over streamable HTTP, e.g. http://127.0.0.1:8000/mcp (give this or command)."""
+    tools: list[str] = field(default_factory=list)
+    """The server's tools to use, by name; empty = all it lists."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Environment variables for the command, on top of the MCP SDK's safe defaults (PATH, HOME, ...)."""
+    start_timeout_s: float = 30.0
+    """Seconds to start the server, finish the MCP handshake and list its tools; past it the run stops at start-up
+    (> 0)."""
 
 
 @dataclass

@@ -296,6 +296,6 @@ def load_agents(cfg: TrainConfig, num_agents: int) -> list[Agent]:
 
 
 def tool_schemas(cfg: TrainConfig) -> tuple[dict, ...]:
-    from .tools import resolve
+    from .tool_loop import configured
 
-    return tuple(t.schema for t in resolve(cfg.tools.names, "tools.names"))
+    return tuple(t.schema for t in configured(cfg.tools))

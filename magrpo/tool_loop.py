@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
+from .errors import ConfigError
 from .generation import GenerationRequest, SamplingParams
 from .sampling import stream_key
 from .tools import (
@@ -40,15 +41,44 @@ class ToolSettings:
     timeout_s: float
     max_output_chars: int
     max_concurrency: int
+    mcp: tuple = ()  # the `tools.mcp` entries whose sessions `ToolBackend.close` ends
 
     @classmethod
     def of(cls, cfg) -> ToolSettings | None:
         """None when no tool is configured: generation then runs exactly as without this module."""
         t = cfg.tools
-        if not t.names:
+        if not t.names and not t.mcp:
             return None
-        return cls(tuple(resolve(t.names, "tools.names")), t.max_calls, t.timeout_s, t.max_output_chars,
-                   t.max_concurrency)
+        return cls(tuple(configured(t)), t.max_calls, t.timeout_s, t.max_output_chars, t.max_concurrency,
+                   tuple(t.mcp))
+
+
+def configured(t) -> list[Tool]:
+    """The tools of a `tools` config section: `tools.names` resolved, then every tool of the MCP servers
+    of `tools.mcp` (connected once per config, magrpo.mcp_tools); a name used twice is a ConfigError."""
+    out = resolve(t.names, "tools.names")
+    if not t.mcp:
+        return out  # the mcp package is not even imported
+    from .mcp_tools import mcp_tools
+
+    seen = {tool.name: "tools.names" for tool in out}
+    for i, tools in enumerate(mcp_tools(t.mcp)):
+        for tool in tools:
+            if tool.name in seen:
+                raise ConfigError(f"tools.mcp[{i}]", f"its tool {tool.name!r} has the name of a tool of "
+                                                     f"{seen[tool.name]}; choose this server's tools with "
+                                                     f"tools.mcp[{i}].tools=[...]")
+            seen[tool.name] = f"tools.mcp[{i}]"
+            out.append(tool)
+    return out
+
+
+def release(t) -> None:
+    """End the MCP sessions `configured(t)` opened (idempotent; nothing to do without tools.mcp)."""
+    if t.mcp:
+        from .mcp_tools import close
+
+        close(t.mcp)
 
 
 @dataclass
@@ -185,7 +215,10 @@ class ToolBackend:
         return out
 
     def close(self) -> None:
-        self.inner.close()
+        try:
+            self.inner.close()
+        finally:  # the MCP servers' sessions end with the backend (and their processes with them)
+            release(self.settings)
 
 
 def with_tools(backend, cfg, agents):

@@ -30,6 +30,7 @@ from .metrics import Counter, Maximum, reduce_over_ranks
 from .rollout import Rollout, TreeSettings, expand_trees, merge_rollouts, portable
 from .run_io import LOGS, RESUME_HINT, NullWriter, RunWriter, make_run_dir, tree_records, writing
 from .sampling import stream_key
+from .tool_loop import release
 from .tree import count_leaves
 from .update import AgentUpdater, TrainSample, UpdateSettings
 from .validation import check_problem_sizes, check_tree_size, step_size, validate
@@ -119,13 +120,16 @@ TRAIN_STREAM, EVAL_STREAM = 0, 1
 def train(cfg: TrainConfig, env: Environment | None = None, feedback: FeedbackTarget | None = None) -> Path:
     """Check cfg (prepare) and train; returns the run dir. From Python, use `magrpo.train`: it also
     composes and type-checks the config the way the command line does."""
-    env, feedback = prepare(cfg, env, feedback)
-    world = world_from_env(cfg.model.device, cfg.trainer.dist_timeout_min)
     try:
-        with owned_run_dir(cfg, world) as run_dir:
-            return _train(cfg, env, feedback, world, run_dir)
-    finally:
-        world.close()
+        env, feedback = prepare(cfg, env, feedback)
+        world = world_from_env(cfg.model.device, cfg.trainer.dist_timeout_min)
+        try:
+            with owned_run_dir(cfg, world) as run_dir:
+                return _train(cfg, env, feedback, world, run_dir)
+        finally:
+            world.close()
+    finally:  # MCP servers start at validation: they end with the run, however it ends
+        release(cfg.tools)
 
 
 @contextmanager

@@ -147,6 +147,7 @@ def validate(cfg: TrainConfig) -> None:
     for i, name in enumerate([cfg.model.name] + [a.model for a in cfg.agents if a.model]):
         key = "model.name" if i == 0 else "agents[].model"
         _check_model_name(key, name)
+    start_tools(cfg)  # last: MCP servers start only for a config that passed every cheaper check
 
 
 def check_loss_credit_options(cfg: TrainConfig) -> None:
@@ -305,16 +306,34 @@ def text_size(value) -> int:
 
 
 def validate_tools(cfg: TrainConfig) -> None:
-    """The `tools` section: names resolve (registered or module:attr), limits positive, hf backend."""
+    """The `tools` section: limits positive, names resolve (registered or module:attr), MCP entries well
+    formed, hf backend. The servers themselves start in `start_tools`."""
     t = cfg.tools
     at_least("tools.max_calls", t.max_calls, 1)
     above("tools.timeout_s", t.timeout_s, 0)
     at_least("tools.max_output_chars", t.max_output_chars, 1)
     at_least("tools.max_concurrency", t.max_concurrency, 1)
-    if not t.names:
+    for i, server in enumerate(t.mcp):
+        if bool(server.command) == bool(server.url):
+            raise ConfigError(f"tools.mcp[{i}]", "give exactly one of command (a stdio server, e.g. "
+                                                 "[python,-m,my_pkg.server]) or url (streamable HTTP)")
+        if server.url and not server.url.startswith(("http://", "https://")):
+            raise ConfigError(f"tools.mcp[{i}].url", f"{server.url!r} is not an http:// or https:// URL")
+        above(f"tools.mcp[{i}].start_timeout_s", server.start_timeout_s, 0)
+    if not t.names and not t.mcp:
         return
     from .tools import resolve
 
     resolve(t.names, "tools.names")
     if cfg.backend != "hf":
-        raise ConfigError("tools.names", f"tools run with backend=hf only for now, not backend={cfg.backend}")
+        key = "tools.names" if t.names else "tools.mcp"
+        raise ConfigError(key, f"tools run with backend=hf only for now, not backend={cfg.backend}")
+
+
+def start_tools(cfg: TrainConfig) -> None:
+    """Every tool of the run, MCP servers' included: each server starts and lists its tools now (a
+    ConfigError naming tools.mcp[i] when it cannot), and the run reuses these sessions."""
+    if cfg.tools.mcp:
+        from .tool_loop import configured
+
+        configured(cfg.tools)

@@ -21,8 +21,10 @@ PREFIX = {
     "GenerationConfig": "generation.", "TrainerConfig": "trainer.", "LoggingConfig": "logging.",
     "WandbConfig": "logging.wandb.", "ExternalConfig": "external.", "ExpertConfig": "external.expert.",
     "EvalConfig": "eval.", "CheckpointConfig": "checkpoint.", "RewardConfig": "reward.", "VLLMConfig": "vllm.",
-    "LimitsConfig": "limits.", "ToolsConfig": "tools.",
+    "LimitsConfig": "limits.", "ToolsConfig": "tools.", "McpServerConfig": "tools.mcp[i].",
 }
+# Entries of a list of dataclasses: their keys' defaults are the dataclass's own.
+ENTRIES = {"agents[i].": "AgentConfig", "tools.mcp[i].": "McpServerConfig"}
 
 
 def rows() -> list[tuple[str, str]]:
@@ -44,10 +46,11 @@ def rows() -> list[tuple[str, str]]:
 
 
 def value_at(cfg, key: str):
-    if key.startswith("agents[i]."):  # a per-agent entry: its own dataclass default
-        from magrpo.config import AgentConfig
+    for prefix, name in ENTRIES.items():
+        if key.startswith(prefix):  # one entry of a list (an agent, an MCP server): its own dataclass default
+            import magrpo.config
 
-        return getattr(AgentConfig(), key.split(".", 1)[1])
+            return getattr(getattr(magrpo.config, name)(), key[len(prefix):])
     for part in key.split("."):
         cfg = getattr(cfg, part)
     return cfg
@@ -61,6 +64,8 @@ def fmt(value) -> str:
         return str(value).lower()
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(fmt(v) for v in value) + "]"
+    if isinstance(value, dict) and not value:
+        return "{}"
     if isinstance(value, dict):  # env: its name; the env's own keys are documented with the env
         more = ", ..." if len(value) > 1 else ""
         return "{name: " + fmt(value.get("name")) + more + "}"

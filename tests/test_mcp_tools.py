@@ -1,0 +1,220 @@
+"""MCP servers as tools (issue 31, point 5): a real stdio server written with the MCP SDK
+(tests/mcp_server.py) is discovered at start-up, its tools called like any other, its errors counted,
+bad entries refused in one line, and a short training run uses it and leaves no server process."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from magrpo.config import McpServerConfig, TrainConfig
+from magrpo.errors import ConfigError
+from magrpo.tools import Tool, ToolCall, execute_calls
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def server(*extra: str, **fields) -> McpServerConfig:
+    # The SDK starts a server with a minimal environment (no PYTHONPATH): tell it where `tests` is.
+    return McpServerConfig(command=[sys.executable, "-m", "tests.mcp_server", *extra], env={"PYTHONPATH": str(ROOT)},
+                           **fields)
+
+
+def override(entry: McpServerConfig) -> str:
+    """The entry as a command-line override, every string quoted (paths hold `/`)."""
+    command = ",".join(f"'{c}'" for c in entry.command)
+    tools = ",".join(entry.tools)
+    return f"tools.mcp=[{{command:[{command}],tools:[{tools}],env:{{PYTHONPATH:'{ROOT}'}}}}]"
+
+
+def server_processes(marker: str) -> list[int]:
+    """Processes whose command line holds `marker` (our test servers)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and marker in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                pids.append(int(entry.name))
+        except OSError:  # gone meanwhile
+            continue
+    return pids
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def opened():
+    """One server for the module's tests (each start costs about a second): its tools, closed at the end."""
+    from magrpo.mcp_tools import close, mcp_tools
+
+    servers = [server()]
+    [tools] = mcp_tools(servers)
+    yield {t.name: t for t in tools}
+    close(servers)
+
+
+def call(tools, *calls: ToolCall):
+    return execute_calls(list(calls), list(tools.values()), 60.0, 1000, 8)
+
+
+def test_discovery_gives_each_tool_its_openai_schema(opened):
+    assert list(opened) == ["add", "fail", "wait", "pid"]
+    add = opened["add"].schema
+    assert add["name"] == "add" and add["description"] == "Add two integers."
+    assert add["parameters"]["required"] == ["a", "b"]
+    assert {p: v["type"] for p, v in add["parameters"]["properties"].items()} == {"a": "integer", "b": "integer"}
+
+
+def test_a_call_returns_the_tools_text_and_errors_count_by_kind(opened):
+    ok, refused, missing, wrong_type = call(opened, ToolCall("add", {"a": 2, "b": 40}),
+                                            ToolCall("fail", {"reason": "no"}),
+                                            ToolCall("add", {"a": 2}),
+                                            ToolCall("add", {"a": "two", "b": 1}))
+    assert (ok.text, ok.error) == ("42", None)
+    # an isError result is raised, so it is counted as any tool that raises
+    assert refused.error == "raised"
+    assert refused.text == "error: 'fail' raised ToolError: Error executing tool fail: refused: no"
+    # arguments checked against the listed schema before the call, as for any other tool
+    assert missing.error == "bad_arguments" and "'b'" in missing.text
+    assert wrong_type.error == "raised" and "validation error" in wrong_type.text  # the server checks types
+
+
+def test_a_call_past_its_timeout_ends_and_the_session_goes_on(opened):
+    [slow] = execute_calls([ToolCall("wait", {"seconds": 60})], list(opened.values()), 0.5, 1000, 8)
+    assert slow.error == "timeout" and slow.text == "error: 'wait' timed out after 0.5 s"
+    [after] = call(opened, ToolCall("add", {"a": 2, "b": 2}))  # the request was cancelled, not the session
+    assert after.text == "4"
+
+
+def test_the_sessions_serve_calls_from_round_after_round(opened):
+    # every round runs in a new asyncio.run loop; the session stays in its own
+    for a in range(3):
+        [r] = call(opened, ToolCall("add", {"a": a, "b": 1}))
+        assert r.text == str(a + 1)
+
+
+def test_a_server_at_a_url_over_streamable_http():
+    import socket
+    import subprocess
+    import time
+
+    from magrpo.mcp_tools import close, mcp_tools
+
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "tests.mcp_server", "http", str(port)], cwd=ROOT,
+                               stderr=subprocess.DEVNULL)
+    servers = [McpServerConfig(url=f"http://127.0.0.1:{port}/mcp", tools=["add"])]
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # until it listens
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert process.poll() is None and time.monotonic() < deadline, "the HTTP server did not start"
+                time.sleep(0.05)
+        [tools] = mcp_tools(servers)
+        [r] = execute_calls([ToolCall("add", {"a": 1, "b": 2})], tools, 60.0, 1000, 8)
+        assert [t.name for t in tools] == ["add"] and (r.text, r.error) == ("3", None)
+    finally:
+        close(servers)
+        process.kill()
+        process.wait()
+
+
+def test_a_selection_of_a_tool_the_server_lacks_names_what_it_has():
+    from magrpo.mcp_tools import mcp_tools
+
+    with pytest.raises(ConfigError, match=r"^tools\.mcp\[0\]\.tools: 'mul': not a tool of the server .*; it has: "
+                                          r"add, fail, wait, pid$"):
+        mcp_tools([server(tools=["add", "mul"])])
+
+
+def test_bad_entries_stop_at_start_up_in_one_line(run_cli):
+    code, lines = run_cli("tools.mcp=[{command:['/nonexistent/mcp-server']}]")
+    assert code == 2 and lines[-1].startswith("config error: tools.mcp[0]: the server '/nonexistent/mcp-server' "
+                                              "could not be used: FileNotFoundError")
+    code, lines = run_cli(f"tools.mcp=[{{command:['{sys.executable}',-c,'raise SystemExit(\"no such server\")']}}]")
+    assert code == 2 and "tools.mcp[0]" in lines[-1] and lines[-1].endswith("its stderr ends: no such server")
+    port = free_port()  # nothing listens there
+    code, lines = run_cli(f"tools.mcp=[{{url:'http://127.0.0.1:{port}/mcp'}}]")
+    assert code == 2 and lines[-1].startswith(f"config error: tools.mcp[0]: the server at http://127.0.0.1:{port}/mcp "
+                                              f"could not be used: ")
+    code, lines = run_cli("tools.mcp=[{tools:[add]}]")
+    assert code == 2 and "tools.mcp[0]: give exactly one of command" in lines[-1]
+    code, lines = run_cli("tools.mcp=[{url:'ftp://x'}]")
+    assert code == 2 and "tools.mcp[0].url" in lines[-1]
+    code, lines = run_cli("tools.mcp=[{cmd:[x]}]")
+    assert code == 2 and lines[-1].endswith("tools.mcp[i].cmd: unknown key; allowed: command, url, tools, env, "
+                                            "start_timeout_s")
+
+
+def test_a_server_that_never_answers_times_out(monkeypatch):
+    from magrpo.mcp_tools import mcp_tools
+
+    silent = McpServerConfig(command=[sys.executable, "-c", "import sys; sys.stdin.read()"], start_timeout_s=0.5)
+    with pytest.raises(ConfigError, match=r"tools\.mcp\[0\]: .* did not finish the MCP handshake .* within 0.5 s"):
+        mcp_tools([silent])
+
+
+def test_a_name_used_twice_across_sources_is_refused(monkeypatch):
+    import magrpo.mcp_tools
+    from magrpo.tool_loop import configured
+
+    twin = Tool("calculator", {"name": "calculator"}, lambda: "")
+    monkeypatch.setattr(magrpo.mcp_tools, "mcp_tools", lambda servers: [[], [twin]])
+    t = TrainConfig().tools
+    t.names, t.mcp = ["calculator"], [server(), server()]
+    with pytest.raises(ConfigError, match=r"^tools\.mcp\[1\]: its tool 'calculator' has the name of a tool of "
+                                          r"tools\.names; choose"):
+        configured(t)
+
+
+def test_without_servers_the_mcp_module_is_not_imported(monkeypatch):
+    from magrpo.tool_loop import configured, release
+
+    monkeypatch.setitem(sys.modules, "magrpo.mcp_tools", None)  # importing it now fails
+    t = TrainConfig().tools
+    t.names = ["calculator"]
+    assert [tool.name for tool in configured(t)] == ["calculator"]
+    release(t)
+
+
+def test_the_command_line_shape_parses(make_cfg):
+    cfg = make_cfg("tools.mcp=[{command:[python,-m,tests.mcp_server],tools:[add]},{url:'http://127.0.0.1:9/mcp'}]")
+    assert cfg.tools.mcp == [McpServerConfig(command=["python", "-m", "tests.mcp_server"], tools=["add"]),
+                             McpServerConfig(url="http://127.0.0.1:9/mcp")]
+
+
+@pytest.mark.slow
+def test_a_training_run_calls_an_mcp_tool_and_ends_its_server(make_cfg, monkeypatch):
+    """The tiny model never writes `<tool_call>`: here any text ending in "e" calls the server's `add`,
+    so a real run discovers, calls through the session, splices the answer and closes the server."""
+    import magrpo.mcp_tools
+    import magrpo.tool_loop
+    from magrpo.models import tool_schemas
+    from magrpo.trainer import train
+
+    marker = f"mcp-run-{os.getpid()}"  # an argument the server ignores, to find its process
+    cfg = make_cfg(override(server(marker, tools=["add"])), "tools.max_calls=1", "trainer.steps=1",
+                   "trainer.num_turns=1", "eval.at_end=false", "generation.max_new_tokens=24")
+    opened, real = [], magrpo.mcp_tools.McpServers
+    monkeypatch.setattr(magrpo.mcp_tools, "McpServers", lambda servers: opened.append(real(servers)) or opened[-1])
+    assert [s["name"] for s in tool_schemas(cfg)] == ["add"]  # the selection: fail and pid are not offered
+    assert server_processes(marker)  # started once here; the run reuses the sessions
+    monkeypatch.setattr(magrpo.tool_loop, "CALL_END", "e")
+    monkeypatch.setattr(magrpo.tool_loop, "parse_call", lambda text: (
+        ToolCall("add", {"a": 40, "b": 2}) if text.endswith("e") else None))
+    run = train(cfg)
+    metrics = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    assert all(m["tools/calls"] > 0 for m in metrics) and not any("tools/errors/raised" in m for m in metrics)
+    assert "<tool_response>\\n42\\n</tool_response>" in (run / "rollouts.jsonl").read_text()
+    assert len(opened) == 1 and server_processes(marker) == []
