@@ -28,4 +28,4 @@ class SamplingParams:
     top_k: int = 0  # 0 = off
     logprobs: bool = False  # also return each sampled token's log-prob under the sampling distribution
     greedy: bool = False  # argmax decoding (evaluation); temperature/top-k/top-p then only shape log-probs
-    stop: tuple[str, ...] = ()  # end a completion once its text contains one of these (kept in it; hf only)
+    stop: tuple[str, ...] = ()  # end a completion once its text contains one of these (kept in it)

@@ -325,9 +325,6 @@ def validate_tools(cfg: TrainConfig) -> None:
     from .tools import resolve
 
     resolve(t.names, "tools.names")
-    if cfg.backend != "hf":
-        key = "tools.names" if t.names else "tools.mcp"
-        raise ConfigError(key, f"tools run with backend=hf only for now, not backend={cfg.backend}")
 
 
 def start_tools(cfg: TrainConfig) -> None:

@@ -167,3 +167,60 @@ def test_agents_with_their_own_base_model_get_one_engine_each(make_cfg, tmp_path
         assert backend.generate_calls == 2  # one per base model
     finally:
         backend.close()
+
+
+def test_vllm_stops_at_a_stop_string_and_keeps_it(setup):
+    """What the tool loop needs (a call's end as a stop string), as the HF backend does it."""
+    agents, backend = setup
+    tok = agents[0].tokenizer
+    req = GenerationRequest("Write some code.", agent=0, n=2, seed=3)
+    full = backend.generate([req], SamplingParams(max_new_tokens=24, logprobs=True))[0]
+    stop = tok.decode(full[0].token_ids[4:7]).strip() or tok.decode(full[0].token_ids)[-3:]
+    stopped = backend.generate([req], SamplingParams(max_new_tokens=24, logprobs=True, stop=(stop,)))[0]
+    assert len(stopped[0].token_ids) <= 7 and not stopped[0].finished
+    for before, after in zip(full, stopped):  # the same seeded samples, cut where the stop string completes
+        n = len(after.token_ids)
+        assert after.token_ids == before.token_ids[:n] and len(after.logprobs) == n
+        if stop in tok.decode(before.token_ids):
+            assert stop in tok.decode(after.token_ids) and stop not in tok.decode(after.token_ids[:-1])
+
+
+def test_tool_turns_on_vllm_are_spliced_masked_and_give_tool_tokens_no_gradient(setup, monkeypatch):
+    """The tool loop around the vLLM engine: a call's result is in the turn, masked; the update's
+    gradient does not change when the tool's output tokens do (issue 31, point 2 on vLLM)."""
+    import magrpo.tool_loop
+    from magrpo.tool_loop import ToolBackend, ToolSettings, text_encoder
+    from magrpo.tools import ToolCall, resolve
+    from tests.fakes import loss_settings
+
+    agents, backend = setup
+    # The tiny model never writes <tool_call>: any text ending in "e" is a calculator call here.
+    monkeypatch.setattr(magrpo.tool_loop, "CALL_END", "e")
+    monkeypatch.setattr(magrpo.tool_loop, "parse_call", lambda text: (
+        ToolCall("calculator", {"expression": "6*7"}) if text.endswith("e") else None))
+    tools = ToolBackend(backend, ToolSettings(tuple(resolve(["calculator"])), 2, 5.0, 1000, 4), text_encoder(agents))
+    out = tools.generate([GenerationRequest(p, 0, 4, seed=11) for p in PROMPTS],
+                         SamplingParams(max_new_tokens=24, logprobs=True))
+    turns = [c for row in out for c in row if c.tool_calls]
+    assert turns and tools.stats.calls > 0 and tools.inner.generate_calls >= 2
+    turn = turns[0]
+    assert "<tool_response>\n42\n</tool_response>" in turn.text
+    assert len(turn.logprobs) == sum(turn.model_mask) < len(turn.token_ids)
+    # The turn cut just after its first tool message: a trailing tool message, which nothing after it reads.
+    start = turn.model_mask.index(False)
+    end = next((i for i in range(start, len(turn.token_ids)) if turn.model_mask[i]), len(turn.token_ids))
+    ids, mask = turn.token_ids[:end], turn.model_mask[:end]
+    logprobs = turn.logprobs[: sum(mask)]
+    vocab = agents[0].tokenizer.vocab_size
+    other = [(t + 1) % vocab if not m else t for t, m in zip(ids, mask)]
+    settings = update_settings(loss=loss_settings(kl_coef=0.3, entropy_coef=0.05), tis_cap=1.5, max_new_tokens=24,
+                               ppo_epochs=1, max_grad_norm=0.0, temperature=1.0)
+
+    def gradient(token_ids: list[int]) -> list[torch.Tensor]:
+        updater = AgentUpdater(agents[0], 0.0, 0.0, 0)  # lr 0: the weights stay put between the two calls
+        updater.step([TrainSample(turn.prompt_ids, token_ids, 1.0, logprobs, mask)], settings, micro_batch_size=8)
+        return [p.grad.clone() for p in updater.params]
+
+    before, after = gradient(ids), gradient(other)
+    assert any(g.abs().sum() > 0 for g in before)
+    assert all(torch.equal(a, b) for a, b in zip(before, after))

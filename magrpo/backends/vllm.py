@@ -203,9 +203,13 @@ class VLLMBackend:
 
         shape = dict(temperature=0.0) if params.greedy else dict(
             temperature=params.temperature, top_p=params.top_p, top_k=params.top_k)
-        # detokenize=False: we decode with the agent's tokenizer, exactly as the HF backend does.
-        return vllm.SamplingParams(n=n, max_tokens=params.max_new_tokens, stop_token_ids=eos, detokenize=False,
-                                   logprobs=0 if params.logprobs else None, seed=seed, **shape)
+        # detokenize=False: we decode with the agent's tokenizer, exactly as the HF backend does. Stop
+        # strings (a tool call's end) need the engine's text: kept in it, and the ids run through the token
+        # that completed the string, as in the HF backend.
+        stop = dict(stop=list(params.stop), include_stop_str_in_output=True) if params.stop else {}
+        return vllm.SamplingParams(n=n, max_tokens=params.max_new_tokens, stop_token_ids=eos,
+                                   detokenize=bool(params.stop), logprobs=0 if params.logprobs else None, seed=seed,
+                                   **stop, **shape)
 
     # ---- weight sync and its guards ---------------------------------------------------------
     def sync_weights(self) -> None:
