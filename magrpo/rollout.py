@@ -261,8 +261,10 @@ class TreeExpander:
         """Phase 1: K samples for every agent of every node, in one backend call. Sample k of agent a
         draws from stream (node, a, k); attempt > 0 (resampling) from streams of its own."""
         t0 = time.perf_counter()
-        requests = [GenerationRequest(node.prompts[a], a, self.k, self.stream(node, a, attempt))
-                    for node in nodes for a in range(self.n)]
+        contexts = [call_env(self.env, "tool_context", self.problems[node.tree], where=f"at turn {node.turn}")
+                    for node in nodes]  # the problem as the turn's tools see it (magrpo.tools.ToolContext)
+        requests = [GenerationRequest(node.prompts[a], a, self.k, self.stream(node, a, attempt), context=context)
+                    for node, context in zip(nodes, contexts) for a in range(self.n)]
         samples = self.backend.generate(requests, self.sampling)
         for i, node in enumerate(nodes):
             node.completions, node.joint = samples[i * self.n : (i + 1) * self.n], self.joint
