@@ -214,7 +214,7 @@ def test_a_code_env_run_with_run_tests_shows_the_calls_and_results_in_rollouts(t
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     run = tmp_path / "run"
     code = main([*SMALL, "env=code", "external=plain", "tools=[run_tests]", "tools.max_calls=1", "trainer.steps=1",
-                 "trainer.batch_size=1", "generation.max_new_tokens=120", "eval.at_end=false",
+                 "trainer.batch_size=1", "trainer.num_turns=1", "generation.max_new_tokens=64", "eval.at_end=false",
                  "env.train_split='test[2:3]'", "env.eval_split='test[3:4]'", f"logging.run_dir={run}"])
     assert code == 0
     [metrics] = [json.loads(line) for line in open(run / "metrics.jsonl")]
