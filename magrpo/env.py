@@ -96,6 +96,12 @@ class Environment:
         truncated). Default: outcomes() with an empty context."""
         return [Scored(o["reward"], o) for o in self.outcomes(problems, joint_completions)]
 
+    def tool_context(self, problem: Mapping[str, Any]) -> Mapping[str, Any]:
+        """What tools called inside a turn on `problem` see of it (`ToolContext.problem`, docs/tools.md).
+        Override it to hand tools less (nothing the agents must not read, e.g. hidden tests) or more
+        (per-problem settings); called for every node, so return a cached object. Default: the problem."""
+        return problem
+
 
 ENVS: Registry[type[Environment]] = Registry("env")
 

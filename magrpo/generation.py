@@ -8,7 +8,8 @@ generator with it (its streams differ from HF's, with the same caveat).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any, Mapping
 
 
 @dataclass(frozen=True)
@@ -18,6 +19,9 @@ class GenerationRequest:
     n: int  # samples to draw
     seed: int | None = None  # key of this request's random streams (sample k uses stream_key(seed, k)); None: drawn
     continuation: tuple[int, ...] = ()  # token ids after the encoded prompt: a turn resumed after a tool's output
+    # What tools see of the request's problem (env.tool_context(problem)); backends ignore it, and it
+    # takes no part in equality or hashing: a problem is a dict, and two requests are alike without it.
+    context: Mapping[str, Any] | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)

@@ -265,18 +265,22 @@ class TreeExpander:
         """Phase 1: K samples for every agent of every node, in one backend call. Sample k of agent a
         draws from stream (node, a, k); attempt > 0 (resampling) from streams of its own."""
         t0 = time.perf_counter()
-        requests = [self.request(node, a, attempt) for node in nodes for a in range(self.n)]
+        contexts = [call_env(self.env, "tool_context", self.problems[node.tree], where=f"at turn {node.turn}")
+                    for node in nodes]  # the problem as the turn's tools see it (magrpo.tools.ToolContext)
+        requests = [self.request(node, a, attempt, context) for node, context in zip(nodes, contexts)
+                    for a in range(self.n)]
         samples = self.backend.generate(requests, self.sampling)
         for i, node in enumerate(nodes):
             node.completions, node.joint = samples[i * self.n : (i + 1) * self.n], self.joint
         self.rollout.timings["gen_s"] += time.perf_counter() - t0
 
-    def request(self, node: Node, agent: int, attempt: int) -> GenerationRequest:
+    def request(self, node: Node, agent: int, attempt: int, context: Any = None) -> GenerationRequest:
         """In a conversation the prompt is the first one, and the chat so far its continuation."""
+        stream = self.stream(node, agent, attempt)
         if node.continuation:
-            return GenerationRequest(node.prompt_history[agent][0], agent, self.k, self.stream(node, agent, attempt),
-                                     continuation=node.continuation[agent])
-        return GenerationRequest(node.prompts[agent], agent, self.k, self.stream(node, agent, attempt))
+            return GenerationRequest(node.prompt_history[agent][0], agent, self.k, stream,
+                                     continuation=node.continuation[agent], context=context)
+        return GenerationRequest(node.prompts[agent], agent, self.k, stream, context=context)
 
     @staticmethod
     def stream(node: Node, agent: int, attempt: int) -> int | None:

@@ -5,7 +5,9 @@ made in a turn, or the turn's `max_new_tokens` (model and tool tokens together) 
 
 A turn's completion holds every segment in order; the tool segments are masked out of the loss
 (`Completion.from_segments`, docs/backends.md "Inserted tokens"). Backend-neutral: it calls only
-`backend.generate`, with a stop string and `GenerationRequest.continuation`.
+`backend.generate`, with a stop string and `GenerationRequest.continuation`. Each `Turn` is one rollout
+branch for the tools: its `Session` (magrpo.tool_state) carries the request's context and the stateful
+tools' handles, all released when the turn ends.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from typing import Callable, Sequence
 from .errors import ConfigError
 from .generation import GenerationRequest, SamplingParams
 from .sampling import stream_key
+from .tool_state import Session, ToolContext, release_all
 from .tools import (
     CALL_END,
     CallError,
@@ -93,6 +96,7 @@ class Turn:
     logprobs: list[float] | None = None
     finished: bool = False
     calls: list[dict] = field(default_factory=list)  # the calls made, with their results (Completion.tool_calls)
+    session: Session = field(default_factory=Session)  # this branch's tool context and stateful tools' handles
 
     def tokens(self) -> list[int]:
         return [t for ids, _ in self.segments for t in ids]
@@ -123,9 +127,21 @@ def generate_with_tools(backend, requests: Sequence[GenerationRequest], params: 
     for req, completions in zip(requests, backend.generate(requests, params)):
         turns.append([])
         for k, c in enumerate(completions):
-            turn = Turn(req, k, c.prompt_ids, logprobs=[] if c.logprobs is not None else None)
+            turn = Turn(req, k, c.prompt_ids, logprobs=[] if c.logprobs is not None else None,
+                        session=Session(ToolContext(req.context, req.agent)))
             turn.add_model(c, params.max_new_tokens)
             turns[-1].append(turn)
+    try:
+        run_rounds(backend, turns, params, settings, encode_text, stats, message)
+    finally:  # the turn is over, however it ended (an error in a generate call too): stateful tools let go
+        failed = release_all([t.session for row in turns for t in row], settings.timeout_s, settings.max_concurrency)
+        stats.count("release", failed)
+    return [[t.completion() for t in row] for row in turns]
+
+
+def run_rounds(backend, turns: list[list[Turn]], params: SamplingParams, settings: ToolSettings,
+               encode_text: EncodeText, stats: ToolStats, message: ToolMessage | None = None) -> None:
+    """Call, splice, resume, until no turn calls or `settings.max_calls` rounds were made."""
     for round_ in range(1, settings.max_calls + 1):
         calling = [(t, call) for row in turns for t in row if not t.finished
                    and len(t.tokens()) < params.max_new_tokens
@@ -133,7 +149,8 @@ def generate_with_tools(backend, requests: Sequence[GenerationRequest], params: 
         if not calling:
             break
         results = execute_calls([call for _, call in calling], settings.tools, settings.timeout_s,
-                                settings.max_output_chars, settings.max_concurrency)
+                                settings.max_output_chars, settings.max_concurrency,
+                                sessions=[turn.session for turn, _ in calling])
         stats.add(results)
         resume = []
         for (turn, call), result in zip(calling, results):
@@ -152,7 +169,6 @@ def generate_with_tools(backend, requests: Sequence[GenerationRequest], params: 
                                    replace(params, max_new_tokens=max(budgets)))
             for turn, budget, [c] in zip(resume, budgets, out):
                 turn.add_model(c, budget)
-    return [[t.completion() for t in row] for row in turns]
 
 
 def call_record(call: ToolCall | CallError, result: ToolResult) -> dict:

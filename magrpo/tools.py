@@ -5,24 +5,26 @@ model; the loop that generates, stops at a call and resumes is magrpo.tool_loop.
 A call is the model's text `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (Qwen2.5/Qwen3's
 own format), and its result goes back as `<tool_response>\n...\n</tool_response>` (docs/tools.md).
 Nothing a model writes crashes a run: a bad call gets an error text as its result, counted by kind.
+Stateful tools (create / execute / release per rollout branch) and the context a tool may ask for:
+magrpo.tool_state.
 """
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import inspect
 import json
-import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from .config import choice
 from .errors import ConfigError
 from .registry import Registry
+from .tool_state import CONTEXT, Session, invoke, is_stateful, release_all, run_coroutine, takes_context
 
 CALL_START, CALL_END = "<tool_call>", "</tool_call>"
 RESPONSE_START, RESPONSE_END = "<tool_response>\n", "\n</tool_response>\n"
-TOOLS_HINT = ("or your own: tools=[package.module:function] (its docstring describes it) or "
+TOOLS_HINT = ("or your own: tools=[package.module:function] (its docstring describes it), "
+              "tools=[package.module:Class] (a stateful tool: schema, create, execute, release) or "
               "tools=[package.module:NAME] (a magrpo.tools.Tool)")
 ERROR_KINDS = ("bad_json", "unknown_tool", "bad_arguments", "raised", "timeout", "truncated")
 
@@ -32,6 +34,7 @@ class Tool:
     name: str
     schema: dict  # the OpenAI function schema: {"name", "description", "parameters": JSON schema}
     fn: Callable[..., Any]  # called with the call's arguments as keywords; sync or async; returns text
+    state: Any = None  # a stateful tool's instance (fn is its execute, called with the branch's handle first)
 
 
 TOOLS: Registry[Tool] = Registry("tool")
@@ -69,7 +72,12 @@ class ToolStats:
             self.calls += 1
             self.seconds += r.seconds
             if r.error:
-                self.errors[r.error] = self.errors.get(r.error, 0) + 1
+                self.count(r.error, 1)
+
+    def count(self, kind: str, n: int) -> None:
+        """n more errors of `kind` (release: a stateful tool's release that raised or timed out)."""
+        if n:
+            self.errors[kind] = self.errors.get(kind, 0) + n
 
     def metrics(self) -> dict[str, float]:
         from .metrics import Counter
@@ -80,8 +88,9 @@ class ToolStats:
 
 
 def resolve(names: Sequence[str], key: str = "tools") -> list[Tool]:
-    """Registered names or `package.module:attr` (a Tool, or a function: its name and docstring make
-    the schema); anything else is a ConfigError naming `key` and the registered tools."""
+    """Registered names or `package.module:attr` (a Tool, a stateful tool's class or instance, or a
+    function: its name and docstring make the schema); anything else is a ConfigError naming `key`
+    and the registered tools."""
     out = []
     for name in names:
         if ":" not in name:
@@ -94,6 +103,11 @@ def resolve(names: Sequence[str], key: str = "tools") -> list[Tool]:
         obj = getattr(import_module(key, module_name), attr, None)
         if isinstance(obj, Tool):
             out.append(obj)
+        elif is_stateful(obj):
+            try:
+                out.append(stateful_tool(obj))
+            except Exception as e:  # noqa: BLE001  (the user's class: its own error, in one line)
+                raise ConfigError(key, f"{name!r}: not a usable stateful tool: {type(e).__name__}: {e}") from None
         elif callable(obj):
             out.append(function_tool(obj))
         else:
@@ -105,15 +119,28 @@ def resolve(names: Sequence[str], key: str = "tools") -> list[Tool]:
 
 
 def function_tool(fn: Callable[..., Any], name: str | None = None) -> Tool:
-    """A Tool from a plain function: every parameter a string unless annotated int/float/bool."""
+    """A Tool from a plain function: every parameter a string unless annotated int/float/bool. A
+    keyword-only `context` parameter is no argument of the model's: it gets the branch's ToolContext."""
     kinds = {int: "integer", float: "number", bool: "boolean", "int": "integer", "float": "number",
              "bool": "boolean"}
-    params = inspect.signature(fn).parameters
+    params = {p: v for p, v in inspect.signature(fn).parameters.items()
+              if not (p == CONTEXT and v.kind is inspect.Parameter.KEYWORD_ONLY)}
     properties = {p: {"type": kinds.get(v.annotation, "string")} for p, v in params.items()}
     required = [p for p, v in params.items() if v.default is inspect.Parameter.empty]
     schema = {"name": name or fn.__name__, "description": inspect.getdoc(fn) or "",
               "parameters": {"type": "object", "properties": properties, "required": required}}
     return Tool(schema["name"], schema, fn)
+
+
+def stateful_tool(obj: Any) -> Tool:
+    """A Tool from a stateful tool (verl's contract): a class (instantiated without arguments) or an
+    instance with `schema` (the OpenAI function schema, or a method returning it), `create(context)
+    -> handle`, `execute(handle, **arguments) -> str` and `release(handle)`, each sync or async."""
+    instance = obj() if inspect.isclass(obj) else obj
+    schema = instance.schema() if callable(instance.schema) else instance.schema
+    if not isinstance(schema, dict) or not isinstance(schema.get("name"), str):
+        raise ValueError(f"its schema must be a dict with a string 'name', got {schema!r:.80}")
+    return Tool(schema["name"], schema, instance.execute, state=instance)
 
 
 def parse_call(text: str) -> ToolCall | CallError | None:
@@ -141,72 +168,68 @@ def parse_call(text: str) -> ToolCall | CallError | None:
 
 
 def execute_calls(calls: Sequence[ToolCall | CallError], tools: Sequence[Tool], timeout_s: float,
-                  max_output_chars: int, max_concurrency: int) -> list[ToolResult]:
+                  max_output_chars: int, max_concurrency: int,
+                  sessions: Sequence[Session] | None = None) -> list[ToolResult]:
     """One result per call, in order. At most `max_concurrency` run at once, each for at most
     `timeout_s` seconds; errors (a parse error, an unknown tool, bad arguments, a raise, a timeout)
-    become error texts, and every text is cut to `max_output_chars`."""
+    become error texts, and every text is cut to `max_output_chars`. `sessions`: each call's branch
+    (the tool loop's, released when its turn ends); None: each call a branch of its own, released here."""
     by_name = {t.name: t for t in tools}
-    coroutine = _run_all(calls, by_name, timeout_s, max_output_chars, max_concurrency)
+    own = sessions is None
+    sessions = [Session() for _ in calls] if own else sessions
     try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coroutine)
-    # Called from inside an event loop (a notebook): run ours in a thread of its own.
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        return pool.submit(asyncio.run, coroutine).result()
+        return run_coroutine(_run_all(calls, sessions, by_name, timeout_s, max_output_chars, max_concurrency))
+    finally:
+        if own:
+            release_all(sessions, timeout_s, max_concurrency)
 
 
-async def _run_all(calls, by_name: dict[str, Tool], timeout_s: float, max_output_chars: int,
-                   max_concurrency: int) -> list[ToolResult]:
+async def _run_all(calls, sessions: Sequence[Session], by_name: dict[str, Tool], timeout_s: float,
+                   max_output_chars: int, max_concurrency: int) -> list[ToolResult]:
     limit = asyncio.Semaphore(max(1, max_concurrency))
 
-    async def one(call) -> ToolResult:
+    async def one(call, session: Session) -> ToolResult:
         async with limit:
             loop = asyncio.get_running_loop()
             start = loop.time()
-            result = await _run_one(call, by_name, timeout_s)
+            result = await _run_one(call, session, by_name, timeout_s)
             result.seconds = loop.time() - start
         return cap(result, max_output_chars)
 
-    return list(await asyncio.gather(*(one(c) for c in calls)))
+    return list(await asyncio.gather(*(one(c, s) for c, s in zip(calls, sessions))))
 
 
-async def _run_one(call: ToolCall | CallError, by_name: dict[str, Tool], timeout_s: float) -> ToolResult:
+async def _run_one(call: ToolCall | CallError, session: Session, by_name: dict[str, Tool],
+                   timeout_s: float) -> ToolResult:
     if isinstance(call, CallError):
         return ToolResult(call.message, call.kind)
     tool = by_name.get(call.name)
     if tool is None:
         return ToolResult(f"error: unknown tool {call.name!r}; tools: {', '.join(sorted(by_name))}", "unknown_tool")
+    arguments = dict(call.arguments)
+    if takes_context(tool.fn):
+        if CONTEXT in arguments:  # the model's own `context` never stands in for the branch's
+            return ToolResult(f"error: bad arguments for {call.name!r}: unexpected argument {CONTEXT!r}",
+                              "bad_arguments")
+        arguments[CONTEXT] = session.context
+    handle = () if tool.state is None else (None,)  # a stateful tool's execute takes the handle first
     try:
-        inspect.signature(tool.fn).bind(**call.arguments)
+        inspect.signature(tool.fn).bind(*handle, **arguments)
     except TypeError as e:
         return ToolResult(f"error: bad arguments for {call.name!r}: {e}", "bad_arguments")
+
+    async def execute() -> Any:  # a stateful tool's create counts against the call's timeout too
+        if tool.state is None:
+            return await invoke(tool.fn, **arguments)
+        return await invoke(tool.fn, await session.handle(tool.name, tool.state), **arguments)
+
     try:
-        output = await asyncio.wait_for(_call(tool.fn, call.arguments), timeout_s)
+        output = await asyncio.wait_for(execute(), timeout_s)
     except asyncio.TimeoutError:
         return ToolResult(f"error: {call.name!r} timed out after {timeout_s:g} s", "timeout")
     except Exception as e:  # noqa: BLE001  (a tool's own failure is the model's to see, not the run's)
         return ToolResult(f"error: {call.name!r} raised {type(e).__name__}: {e}", "raised")
     return ToolResult(output if isinstance(output, str) else str(output))
-
-
-async def _call(fn: Callable[..., Any], arguments: dict) -> Any:
-    """Await an async tool; run a sync one in a daemon thread, so that one that hangs past its timeout
-    is left behind instead of holding up the round or the interpreter's exit."""
-    if inspect.iscoroutinefunction(fn):
-        return await fn(**arguments)
-    future: concurrent.futures.Future = concurrent.futures.Future()
-
-    def target() -> None:
-        if not future.set_running_or_notify_cancel():  # a running future cannot be cancelled by a timeout
-            return
-        try:
-            future.set_result(fn(**arguments))
-        except BaseException as e:  # noqa: BLE001  (handed to the awaiting coroutine)
-            future.set_exception(e)
-
-    threading.Thread(target=target, daemon=True, name=f"tool-{getattr(fn, '__name__', 'fn')}").start()
-    return await asyncio.wrap_future(future)
 
 
 def cap(result: ToolResult, max_output_chars: int) -> ToolResult:

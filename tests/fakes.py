@@ -176,9 +176,10 @@ def tiny_qwen2(vocab_size: int, num_hidden_layers: int, seed: int = 0):
 
 class ToolScriptBackend:
     """Character-level (a token is `ord(c)`): a request whose turn so far holds i tool responses gets
-    `replies[min(i, last)]`, cut at `params.stop` (kept, no EOS) and at `max_new_tokens`."""
+    `replies[min(i, last)]`, cut at `params.stop` (kept, no EOS) and at `max_new_tokens`. `replies`
+    may also be a dict: a script per request prompt."""
 
-    def __init__(self, replies: list[str]):
+    def __init__(self, replies: list[str] | dict[str, list[str]]):
         self.replies = replies
         self.generate_calls = 0
         self.calls: list[list] = []  # per generate call: its requests
@@ -193,7 +194,8 @@ class ToolScriptBackend:
         out = []
         for r in requests:
             seen = "".join(map(chr, r.continuation)).count("<tool_response>")
-            text = self.replies[min(seen, len(self.replies) - 1)]
+            script = self.replies[r.prompt] if isinstance(self.replies, dict) else self.replies
+            text = script[min(seen, len(script) - 1)]
             ends = [text.index(s) + len(s) for s in params.stop if s in text]
             finished = not ends
             text = text[: min(ends)] if ends else text

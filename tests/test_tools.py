@@ -196,7 +196,8 @@ def test_stats_count_calls_and_errors_by_kind():
 # --- choosing tools --------------------------------------------------------------------------------
 
 def test_unknown_tool_name_is_a_config_error_listing_the_tools():
-    expected = r"tools.names: 'nope' is not allowed; choose one of: calculator; .*module:function"
+    expected = (r"tools.names: 'nope' is not allowed; choose one of: calculator, run_python, run_tests; "
+                r".*module:function")
     with pytest.raises(ConfigError, match=expected):
         resolve(["nope"], "tools.names")
 

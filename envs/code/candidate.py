@@ -7,6 +7,9 @@ set up (isolation.py); this file adds only what a process sets for itself, the r
 a test case: the judge process sends `load` (the program) and then `call` messages (function name and
 plain-data arguments) on one pipe and reads the plain-data results on another. Whatever this process
 writes there is a return value, never a verdict: it cannot make a case pass that its values do not pass.
+
+With `script_fd` in its setup (the code env's `run_python` tool, script.py) it serves no calls: it
+runs the snippet it reads there as a script, under the same limits, and exits as `python script.py` would.
 """
 import os
 import sys
@@ -93,6 +96,28 @@ def serve(request_fd: int, reply_fd: int, max_message: int) -> None:
             exit_(0)
 
 
+def run_script(script_fd: int) -> None:
+    """The snippet (read whole from its pipe) as `__main__`. An exception prints the snippet's own
+    traceback to stderr and exits with status 1; SystemExit is the snippet's exit status."""
+    chunks = []
+    while chunk := os.read(script_fd, 1 << 16):
+        chunks.append(chunk)
+    os.close(script_fd)
+    source = b"".join(chunks).decode("utf-8", "replace")
+    sys.argv = ["<snippet>"]
+    try:
+        exec(compile(source, "<snippet>", "exec", dont_inherit=True), {"__name__": "__main__"})
+    except SystemExit:
+        raise
+    except BaseException as e:  # noqa: BLE001  (printed as Python would, without this function's frame)
+        import linecache
+        import traceback
+
+        linecache.cache["<snippet>"] = (len(source), None, source.splitlines(True), "<snippet>")
+        traceback.print_exception(type(e), e, e.__traceback__.tb_next if e.__traceback__ else None)
+        raise SystemExit(1) from None
+
+
 def main(setup_text: str) -> None:
     setup = eval(setup_text, {"__builtins__": {}})  # a literal from the driver
     try:
@@ -100,6 +125,9 @@ def main(setup_text: str) -> None:
     except Exception as e:  # noqa: BLE001  never run the program with fewer restrictions than asked for
         _say(setup["status_fd"], {"setup_error": wire.describe(e)})
         os._exit(3)
-    serve(setup["request_fd"], setup["reply_fd"], setup["max_message"])
+    if "script_fd" in setup:
+        run_script(setup["script_fd"])
+    else:
+        serve(setup["request_fd"], setup["reply_fd"], setup["max_message"])
 
 

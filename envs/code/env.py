@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, Mapping, Sequence
 
 from magrpo.distributed import is_main_process
@@ -13,11 +14,13 @@ from magrpo.env import ENVS, Environment, Scored
 from magrpo.metrics import Counter, Gauge
 
 from . import isolation
+from .examples import visible_examples
 from .isolation import MODES, SandboxUnavailable
 from .judge import unsupported_reason
 from .problems import DatasetError, extract_tests, load_problems, parse_signature, prompt_context, wrap_case
 from .reward import USAGES, Analysis, RewardWeights, analyze, helper_names, score, strip_fences, syntax_error
 from .sandbox import Program, RunResult, SandboxLimits, run_many
+from .tools import tool_limits  # also registers the tools run_python and run_tests
 
 HELPER_PROMPT = """You are agent {agent} of {num_agents} solving a Python problem together.
 
@@ -66,6 +69,8 @@ class CodeEnv(Environment):
         start-up, saying why, if none can start) | unsafe: plain child processes with rlimits only, for
         machines without bubblewrap: a program can then read the tests, forge its reward and leave
         processes behind (warned in the console, config.json and metric env/sandbox_unsafe)."""
+        tool_timeout_s: float = 2.0
+        """Wall-clock limit of one call of the tools run_python and run_tests (tools=[run_tests]; docs/tools.md)."""
         reward: RewardWeights = field(default_factory=RewardWeights)
         """Level weights, shift and scale (envs/code/reward.py)."""
 
@@ -84,6 +89,7 @@ class CodeEnv(Environment):
         at_least("env.num_agents", cfg.num_agents, 1,
                  "1: the entry point alone; N >= 2: N-1 helper writers + the entry point")
         above("env.timeout_s", cfg.timeout_s, 0)  # 0 or less: every program, correct ones too, times out
+        above("env.tool_timeout_s", cfg.tool_timeout_s, 0)
         at_least("env.workers", cfg.workers, 0)
         choice("env.sandbox", cfg.sandbox, list(MODES))
         try:
@@ -103,6 +109,7 @@ class CodeEnv(Environment):
         self.unsupported = 0  # test cases the judge cannot run through proxies (they fail closed)
         self._splits: dict[str, list[dict]] = {}
         self._parsed: dict[str, tuple] = {}  # task_id -> (Signature, TestSuite, prompt context)
+        self._tool_contexts: dict[str, Mapping[str, Any]] = {}
 
     @property
     def num_agents(self) -> int:
@@ -175,6 +182,18 @@ class CodeEnv(Environment):
         main = MAIN_PROMPT.format(**values, agent=len(helpers), helpers=_helpers_line(helpers))
         return [HELPER_PROMPT.format(**values, agent=k, helper=h, others=_others_line(helpers, h, sig.name))
                 for k, h in enumerate(helpers)] + [main]
+
+    def tool_context(self, problem: Mapping[str, Any]) -> Mapping[str, Any]:
+        """What tools see of a problem: its statement, entry point, the statement's imports and helpers
+        (`preamble`), its visible examples and the tools' sandbox limits; never its tests or solution."""
+        task = problem["task_id"]
+        if task not in self._tool_contexts:
+            prompt, entry = problem["prompt"], problem["entry_point"]
+            self._tool_contexts[task] = MappingProxyType({
+                "task_id": task, "prompt": prompt, "entry_point": entry, "preamble": self._parsed[task][2],
+                "examples": visible_examples(prompt, entry),
+                "tool_limits": tool_limits(self.limits, self.cfg.tool_timeout_s)})
+        return self._tool_contexts[task]
 
     def rewards(self, problems: Sequence[Mapping[str, Any]], joint_completions: Sequence[Sequence[str]]) -> list[float]:
         return [s.reward for s in self.score(problems, joint_completions)]

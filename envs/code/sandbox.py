@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import atexit
+import contextlib
 import functools
 import json
 import os
@@ -30,7 +31,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
-from typing import Sequence
+from typing import Iterator, Sequence
 
 from . import isolation, wire
 from .isolation import BOOT, ENV, MODES, SANDBOX_LIB
@@ -354,12 +355,20 @@ def run_program(program: Program, limits: SandboxLimits = SandboxLimits()) -> Ru
     """Runs `program` in a confined child process and has a judge process score each of its cases."""
     if limits.mode not in MODES:
         raise ValueError(f"sandbox mode {limits.mode!r}; choose one of: {', '.join(MODES)}")
-    if limits.mode == "bwrap":  # as root, each sandbox under a uid of its own: RLIMIT_NPROC then holds
+    with confinement(limits.mode) as (workdir, uid):
+        return _run(program, limits, workdir, uid)
+
+
+@contextlib.contextmanager
+def confinement(mode: str) -> Iterator[tuple[str | None, int | None]]:
+    """(workdir, uid) of one sandboxed process, given back afterwards: bwrap as root, a uid of its own
+    (RLIMIT_NPROC then holds); unsafe, a fresh working folder, removed."""
+    if mode == "bwrap":
         workdir, uid = None, isolation.acquire_uid() if os.geteuid() == 0 else None
     else:
         workdir, uid = tempfile.mkdtemp(prefix="magrpo-sandbox-"), None
     try:
-        return _run(program, limits, workdir, uid)
+        yield workdir, uid
     finally:
         if workdir is not None:
             shutil.rmtree(workdir, ignore_errors=True)
