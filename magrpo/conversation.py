@@ -18,11 +18,15 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from .errors import ConfigError, MagrpoError
-from .models import CONTENT_SLOT, Agent
 from .tree import Completion
+
+if TYPE_CHECKING:  # agents come from magrpo.models, which uses this module (tool messages): no import cycle
+    from .models import Agent
+
+CONTENT_SLOT = "\ue001magrpo-slot\ue001"  # private-use characters: no chat template writes them
 
 PROBE_USER, PROBE_REPLY = "Question?", "Answer."
 THINK_BLOCK = re.compile(r"<think>.*?</think>", re.DOTALL)
