@@ -166,3 +166,12 @@ def test_load_problems_reads_hf_split_syntax_and_names_the_splits():
 def test_the_default_splits_are_a_config_error_naming_the_key():
     with pytest.raises(ConfigError, match="env.train_split"):
         CodeEnv(CodeEnv.Config(dataset="easy")).problems("train")
+
+
+def test_two_agents_get_a_helper_prompt_and_an_entry_point_prompt():
+    env = CodeEnv(CodeEnv.Config(dataset="easy", train_split="train[:1]", eval_split="heldout[:1]"))
+    problem = env.problems("train")[0]
+    signature = parse_signature(problem["prompt"], problem["entry_point"])
+    aux, main = env.agent_prompts(problem)
+    assert "named `aux`" in aux and f"`{problem['entry_point']}({', '.join(signature.params)})`" in aux
+    assert signature.source in main and "`aux`" in main
