@@ -58,6 +58,11 @@ def sentences(rng: random.Random, count: int = 6) -> list[tuple]:
     return [("",)] + [(sentence(rng),) for _ in range(count - 1)]
 
 
+def starting_with(rng: random.Random, c: str) -> list[tuple]:
+    """Sentences, the last with words that start with `c` (few of WORDS do)."""
+    return sentences(rng) + [(f"{c}{rng.choice(WORDS)} {sentence(rng)} {c}{rng.choice(WORDS)}",)]
+
+
 def int_lists(rng: random.Random, lo: int = -5, hi: int = 20, count: int = 6) -> list[tuple]:
     return [([],)] + [([rng.randint(lo, hi) for _ in range(rng.randint(1, 7))],) for _ in range(count - 1)]
 
@@ -102,7 +107,7 @@ def count_starting_with(rng: random.Random) -> Spec:
     c = rng.choice("abcdefilmqrstuvyz")
     return Spec((c,), f"Return how many words of {{text}} (split on spaces) start with {c!r}.",
                 f"    return sum(1 for w in {{text}}.split() if w.startswith({c!r}))\n",
-                sentences(rng) + [(f"{c}{rng.choice(WORDS)} {sentence(rng)} {c}{rng.choice(WORDS)}",)])
+                starting_with(rng, c))
 
 
 @template("string", ("shout_words", "upper_words_with", "highlight_words", "emphasize_words"),
@@ -131,7 +136,7 @@ def longest_word_with(rng: random.Random) -> Spec:
     return Spec((c,), f"Return the length of the longest word of {{text}} (split on spaces) that starts with "
                       f"{c!r}, or 0 if there is none.",
                 f"    return max((len(w) for w in {{text}}.split() if w.startswith({c!r})), default=0)\n",
-                sentences(rng) + [(f"{c}{rng.choice(WORDS)} {sentence(rng)} {c}{rng.choice(WORDS)}",)])
+                starting_with(rng, c))
 
 
 @template("string", ("mask_vowels", "hide_vowels", "cover_vowels", "blank_vowels"), ("{text}: str",), "str",
