@@ -10,7 +10,7 @@ generator's difficulty is tuned on them, never on `heldout`. The result (JSON) i
 every chunk of 8 problems, so a stopped run keeps what it measured; `--start-at N` continues it with
 the same sampling streams. Nearly every SmolLM2 completion runs to the token limit (prose after the
 code), so the cost is problems x samples x max_new_tokens: 40 x 4 x 128 = 20k tokens, minutes at the
-~65 tokens/s of 2 idle cores, but 8 problems took 13-25 minutes on 2 cores shared with other jobs.
+~65 tokens/s of 2 idle cores, but 8 problems took 6-25 minutes on 2 cores shared with other jobs.
 """
 from __future__ import annotations
 
