@@ -81,12 +81,14 @@ def generate_with_tools(backend, requests: Sequence[GenerationRequest], params: 
             turn = Turn(req, k, c.prompt_ids, logprobs=[] if c.logprobs is not None else None)
             turn.add_model(c, params.max_new_tokens)
             turns[-1].append(turn)
+    called: set[int] = set()  # id() of the turns that made a call
     for round_ in range(1, settings.max_calls + 1):
         calling = [(t, call) for row in turns for t in row if not t.finished
                    and len(t.tokens()) < params.max_new_tokens
                    and (call := parse_call(t.texts[-1])) is not None]
         if not calling:
             break
+        called.update(id(t) for t, _ in calling)
         results = execute_calls([call for _, call in calling], settings.tools, settings.timeout_s,
                                 settings.max_output_chars, settings.max_concurrency)
         stats.add(results)
@@ -104,6 +106,7 @@ def generate_with_tools(backend, requests: Sequence[GenerationRequest], params: 
                                    replace(params, max_new_tokens=max(budgets)))
             for turn, budget, [c] in zip(resume, budgets, out):
                 turn.add_model(c, budget)
+    stats.add_completions(sum(len(row) for row in turns), len(called))
     return [[t.completion() for t in row] for row in turns]
 
 
@@ -126,7 +129,7 @@ def text_encoder(agents) -> EncodeText:
 class ToolBackend:
     """A GenerationBackend whose `generate` makes the turn's tool calls (training and evaluation
     alike); every other member is the wrapped backend's. `metrics` adds the tool numbers since the
-    last call (tools/calls, tools/errors/<kind>, tools/seconds)."""
+    last call (tools/calls, tools/errors/<kind>, tools/seconds, tools/call_rate)."""
 
     def __init__(self, inner, settings: ToolSettings, encode_text: EncodeText):
         self.inner, self.settings, self.encode_text = inner, settings, encode_text
