@@ -1,0 +1,42 @@
+"""NOT PASSING YET (skipped; docs/tools.md says why). It learns to use a tool (issue 31, point 4):
+on the tool-arithmetic env, the warm-started tiny model (magrpo.envs.tool_arith_warm: it calls the
+calculator about 1 time in 5 and guesses otherwise) trained with GRPO and tools=[calculator] calls
+the tool more often and answers right more often in its last steps than in its first. Nothing
+rewards a call as such: the rate rises because calls earn the rewards. A broken gradient, mask or
+credit assignment (or lr=0) would leave both flat and fail this test."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from magrpo.envs.tool_arith_warm import warm_model_path
+from magrpo.trainer import train
+
+STEPS = 16
+WINDOW = 4
+
+
+def learning_run(make_cfg, seed: int, *extra: str) -> tuple[list[float], list[float]]:
+    """(tools/call_rate, train/reward_mean) per step."""
+    cfg = make_cfg(
+        "env=tool_arith", "external=plain", f"model.name={warm_model_path()}", "tools=[calculator]",
+        "tools.max_calls=1", "generation.max_new_tokens=72", "trainer.num_turns=1", f"trainer.steps={STEPS}",
+        "trainer.batch_size=2", "trainer.num_generations=8", "trainer.lr=2e-2", f"trainer.seed={seed}",
+        "logging.rollouts=false", "eval.at_end=false", *extra,
+    )
+    rows = [json.loads(line) for line in open(train(cfg) / "metrics.jsonl")]
+    return [r["tools/call_rate"] for r in rows], [r["train/reward_mean"] for r in rows]
+
+
+@pytest.mark.slow
+@pytest.mark.skip(reason="not passing yet: the warm start (500 steps) writes well-formed calls but copies no "
+                         "digits, so every reward is 0 and GRPO has no signal (docs/tools.md)")
+def test_the_tiny_model_learns_to_call_the_calculator(make_cfg):
+    rates, rewards = learning_run(make_cfg, seed=0)
+    first_rate, last_rate = np.mean(rates[:WINDOW]), np.mean(rates[-WINDOW:])
+    first_reward, last_reward = np.mean(rewards[:WINDOW]), np.mean(rewards[-WINDOW:])
+    print(f"call rate {first_rate:.2f} -> {last_rate:.2f}, reward {first_reward:.2f} -> {last_reward:.2f}")
+    assert last_rate > first_rate + 0.2, f"call rate: first {WINDOW} steps {first_rate:.2f}, last {last_rate:.2f}"
+    assert last_reward > first_reward + 0.1, f"reward: first {WINDOW} steps {first_reward:.2f}, last {last_reward:.2f}"
