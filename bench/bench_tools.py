@@ -16,7 +16,7 @@ with the 10th-90th percentile spread over --repeats runs, the tools' own seconds
 generate calls per step, tool calls per completion, and the ratio (step with tools - tool seconds) /
 step without. It asserts nothing. Run it on an otherwise idle machine.
 
-    python bench/bench_tools.py                           # tiny model, ~2 min on 2 cores
+    python bench/bench_tools.py                           # tiny model, 3 runs per mode of 4 steps
     python bench/bench_tools.py --calls 3 --segment 8 --repeats 5 --extra trainer.batch_size=8
 """
 from __future__ import annotations
