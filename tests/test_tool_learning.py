@@ -1,12 +1,12 @@
-"""NOT PASSING YET (skipped; docs/tools.md says why). It learns to use a tool (issue 31, point 4):
-on the tool-arithmetic env, the warm-started tiny model (magrpo.envs.tool_arith_warm: it calls the
-calculator about 1 time in 5 and guesses otherwise) trained with GRPO and tools=[calculator] calls
-the tool more often and answers right more often in its last steps than in its first. Nothing
-rewards a call as such: the rate rises because calls earn the rewards. A broken gradient, mask or
-credit assignment (or lr=0) would leave both flat and fail this test."""
+"""It learns to use a tool (issue 31, point 4): on the tool-arithmetic env, the warm-started tiny model
+(magrpo.envs.tool_arith_warm: it calls the calculator about 1 time in 5 and guesses otherwise) trained
+with GRPO and tools=[calculator] calls the tool more often and answers right more often in its last
+steps than in its first. Nothing rewards a call as such: the rate rises because calls earn the
+rewards. Opt-in: it takes minutes on 2 cores (the warm start's first build too), beyond CI's budget."""
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -14,8 +14,8 @@ import pytest
 from magrpo.envs.tool_arith_warm import warm_model_path
 from magrpo.trainer import train
 
-STEPS = 16
-WINDOW = 4
+STEPS = 8
+WINDOW = 3
 
 
 def learning_run(make_cfg, seed: int, *extra: str) -> tuple[list[float], list[float]]:
@@ -23,7 +23,7 @@ def learning_run(make_cfg, seed: int, *extra: str) -> tuple[list[float], list[fl
     cfg = make_cfg(
         "env=tool_arith", "external=plain", f"model.name={warm_model_path()}", "tools=[calculator]",
         "tools.max_calls=1", "generation.max_new_tokens=72", "trainer.num_turns=1", f"trainer.steps={STEPS}",
-        "trainer.batch_size=2", "trainer.num_generations=8", "trainer.lr=2e-2", f"trainer.seed={seed}",
+        "trainer.batch_size=2", "trainer.num_generations=8", "trainer.lr=2e-3", f"trainer.seed={seed}",
         "logging.rollouts=false", "eval.at_end=false", *extra,
     )
     rows = [json.loads(line) for line in open(train(cfg) / "metrics.jsonl")]
@@ -31,8 +31,8 @@ def learning_run(make_cfg, seed: int, *extra: str) -> tuple[list[float], list[fl
 
 
 @pytest.mark.slow
-@pytest.mark.skip(reason="not passing yet: the warm start (500 steps) writes well-formed calls but copies no "
-                         "digits, so every reward is 0 and GRPO has no signal (docs/tools.md)")
+@pytest.mark.skipif(not os.environ.get("MAGRPO_TOOL_LEARNING"), reason=(
+    "opt-in (MAGRPO_TOOL_LEARNING=1): minutes on 2 cores, beyond CI's budget (docs/tools.md)"))
 def test_the_tiny_model_learns_to_call_the_calculator(make_cfg):
     rates, rewards = learning_run(make_cfg, seed=0)
     first_rate, last_rate = np.mean(rates[:WINDOW]), np.mean(rates[-WINDOW:])
