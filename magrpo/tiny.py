@@ -18,7 +18,7 @@ import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from .paths import cache_root
 
@@ -84,14 +84,20 @@ def tiny_model_path(spec: TinySpec = TinySpec(), cache_dir: str | Path | None = 
     """Return the folder of the tiny model for `spec`, building it on first use (cached)."""
     root, files = _corpus_files()
     final = cache_root(cache_dir) / "tiny" / _key(spec, root, files)
+    return build_once(final, lambda tmp: _build(spec, tmp, files), "tiny model")
+
+
+def build_once(final: Path, build: Callable[[Path], None], what: str) -> Path:
+    """`final`, built by `build(folder)` unless it exists: built next to it and renamed into place, so
+    a folder with that name is always complete (a crash leaves none) and racing processes share one."""
     if (final / "config.json").is_file():  # only complete folders ever get this name
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
     # Build next to the target (same filesystem) so the final rename is atomic.
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
     try:
-        print(f"building tiny model {final.name} (once, cached at {final})", file=sys.stderr)
-        _build(spec, tmp, files)
+        print(f"building {what} {final.name} (once, cached at {final})", file=sys.stderr)
+        build(tmp)
         os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
         try:
             os.rename(tmp, final)

@@ -136,6 +136,8 @@ def generate_with_tools(backend, requests: Sequence[GenerationRequest], params: 
     finally:  # the turn is over, however it ended (an error in a generate call too): stateful tools let go
         failed = release_all([t.session for row in turns for t in row], settings.timeout_s, settings.max_concurrency)
         stats.count("release", failed)
+    every = [t for row in turns for t in row]
+    stats.add_completions(len(every), sum(bool(t.calls) for t in every))  # tools/call_rate
     return [[t.completion() for t in row] for row in turns]
 
 
@@ -197,7 +199,7 @@ def text_encoder(agents) -> EncodeText:
 class ToolBackend:
     """A GenerationBackend whose `generate` makes the turn's tool calls (training and evaluation
     alike); every other member is the wrapped backend's. `metrics` adds the tool numbers since the
-    last call (tools/calls, tools/errors/<kind>, tools/seconds)."""
+    last call (tools/calls, tools/errors/<kind>, tools/seconds, tools/call_rate)."""
 
     def __init__(self, inner, settings: ToolSettings, encode_text: EncodeText, message: ToolMessage | None = None):
         self.inner, self.settings, self.encode_text, self.message = inner, settings, encode_text, message

@@ -61,11 +61,18 @@ class ToolResult:
 
 @dataclass
 class ToolStats:
-    """One step's tool numbers (logged as tools/calls, tools/errors/<kind>, tools/seconds)."""
+    """One step's tool numbers (logged as tools/calls, tools/errors/<kind>, tools/seconds,
+    tools/call_rate)."""
 
     calls: int = 0
     seconds: float = 0.0
     errors: dict[str, int] = field(default_factory=dict)
+    completions: int = 0  # completions generated with tools available
+    calling: int = 0  # of those, the ones that made at least one call
+
+    def add_completions(self, completions: int, calling: int) -> None:
+        self.completions += completions
+        self.calling += calling
 
     def add(self, results: Sequence[ToolResult]) -> None:
         for r in results:
@@ -80,10 +87,12 @@ class ToolStats:
             self.errors[kind] = self.errors.get(kind, 0) + n
 
     def metrics(self) -> dict[str, float]:
-        from .metrics import Counter
+        from .metrics import Counter, Gauge
 
         out = {"tools/calls": Counter(self.calls), "tools/seconds": Counter(self.seconds)}
         out.update({f"tools/errors/{kind}": Counter(n) for kind, n in self.errors.items()})
+        if self.completions:  # a rate: averaged over torchrun processes, whose shares are equal
+            out["tools/call_rate"] = Gauge(self.calling / self.completions)
         return out
 
 

@@ -300,6 +300,15 @@ def test_max_calls_ends_the_turn():
     assert backend.generate_calls == 3 and c.text.count("<tool_response>") == 2 and not c.finished
 
 
+def test_call_rate_counts_completions_with_a_call_once_however_many_calls():
+    stats = ToolStats()
+    loop(ToolScriptBackend([CALC]), max_calls=2, k=3, stats=stats)  # 3 completions, 2 calls each
+    loop(ToolScriptBackend(["The answer is 42."]), k=1, stats=stats)  # 1 completion, no call
+    assert (stats.completions, stats.calling, stats.calls) == (4, 3, 6)
+    assert stats.metrics()["tools/call_rate"] == 0.75
+    assert "tools/call_rate" not in ToolStats().metrics()  # no completion generated: no rate
+
+
 def test_a_bad_call_gets_an_error_message_and_the_turn_goes_on():
     backend = ToolScriptBackend([call('{"name": "calculator", "arguments": {'), " sorry"])
     stats = ToolStats()
@@ -408,7 +417,7 @@ def test_a_training_run_calls_tools_and_masks_their_output(make_cfg, monkeypatch
         ToolCall("calculator", {"expression": "6*7"}) if text.endswith("e") else None))
     run = train(make_cfg("tools=[calculator]", "tools.max_calls=2", "generation.max_new_tokens=24"))
     metrics = [json.loads(line) for line in open(run / "metrics.jsonl")]
-    assert all(m["tools/calls"] > 0 for m in metrics)
+    assert all(m["tools/calls"] > 0 and m["tools/call_rate"] > 0 for m in metrics)
     assert any(m["train/agent_0/masked_token_share"] > 0 for m in metrics)
     assert all(m["tools/turn_0/calls"] > 0 and 0 < m["tools/turn_0/call_rate"] <= 1 for m in metrics)
     assert any(m["train/turn_0/masked_token_share"] > 0 for m in metrics)
