@@ -67,8 +67,8 @@ def forced_calls(segment: int):
 
     init = tool_loop.ToolBackend.__init__
 
-    def segmented_init(self, inner, settings, encode_text):
-        init(self, Segmented(inner, segment), settings, encode_text)
+    def segmented_init(self, inner, settings, *rest):
+        init(self, Segmented(inner, segment), settings, *rest)
 
     saved = tool_loop.ToolBackend.__init__, tool_loop.parse_call, tools.tools_preamble
     tool_loop.ToolBackend.__init__ = segmented_init
