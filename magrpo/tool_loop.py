@@ -190,10 +190,9 @@ def resume_request(turn: Turn, round_: int) -> GenerationRequest:
 
 def text_encoder(agents) -> EncodeText:
     """Tool messages as plain characters: a tool's output that spells `<|im_end|>` stays text."""
-    def encode(agent: int, text: str) -> list[int]:
-        return list(agents[agent].tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+    from .conversation import encode_text
 
-    return encode
+    return lambda agent, text: encode_text(agents[agent], text)
 
 
 class ToolBackend:
