@@ -30,14 +30,14 @@ def sampler_logprobs(samples: list[TrainSample], like: torch.Tensor) -> torch.Te
     tokens, which have none); None when any is missing."""
     if any(s.sampler_logprobs is None for s in samples):
         return None
-    out = torch.zeros_like(like)
+    out = torch.zeros(like.shape, dtype=like.dtype)  # filled on the CPU, moved once: one copy, not one per row
     for row, s in enumerate(samples):
         values = torch.tensor(s.sampler_logprobs, dtype=out.dtype)
         if s.model_mask is None:
             out[row, : len(s.sampler_logprobs)] = values
         else:  # one log-prob per model token, in order: scatter them to the model positions
             out[row, : len(s.model_mask)][torch.tensor(s.model_mask)] = values
-    return out
+    return out.to(like.device)
 
 
 @dataclass
