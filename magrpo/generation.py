@@ -36,7 +36,7 @@ class SamplingParams:
     greedy: bool = False  # argmax decoding (evaluation); temperature/top-k/top-p then only shape log-probs
     # Pause markers (a tool call's end): end a completion once its text holds one, kept in it, with
     # `finished` False (the turn goes on after the tool). The request's own `stop` ends it finished;
-    # whichever completes first wins, and the request's on the same token.
+    # whichever ends first in the text wins, the request's on a tie.
     stop: tuple[str, ...] = ()
 
 
