@@ -55,7 +55,7 @@ def raw_generate(backend, requests, params):
     for req in requests:
         agent = backend.agents[req.agent]
         prompts.append(TokensPrompt(prompt_token_ids=agent.encode_prompts([req.prompt])[0]))
-        sampling.append(backend._sampling(params, req.n, sorted(agent.eos_ids())))
+        sampling.append(backend._sampling(params, req, sorted(agent.eos_ids())))
         loras.append(backend.lora[req.agent])
     outs = llm.generate(prompts, sampling, lora_request=loras, use_tqdm=False)
     return sum(len(o.token_ids) for out in outs for o in out.outputs)

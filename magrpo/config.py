@@ -48,6 +48,8 @@ class AgentConfig:
     """This agent's own base model (hub id or local path); null = model.name (shared in memory)."""
     system_prompt: Optional[str] = None
     """This agent's own system message; null = model.system_prompt."""
+    stop: Optional[list[str]] = None
+    """This agent's own stop strings; null = generation.stop, [] = none for this agent."""
 
 
 @dataclass
@@ -66,6 +68,10 @@ class LoraConfig:
 class GenerationConfig:
     max_new_tokens: int = 32
     """Tokens per completion at most; generation also stops at EOS."""
+    stop: list[str] = field(default_factory=list)
+    """Stop strings of every agent (agents[i].stop overrides it): a completion ends with the token that completes
+    the first one it writes, that token and the text kept; it counts as finished, not truncated. Backslash escapes
+    (\\n, \\t, \\r, \\\\) are read as in Python (docs/backends.md#stop-strings). [] = EOS and max_new_tokens only."""
     temperature: float = 1.0
     """Sampling temperature (> 0)."""
     top_p: float = 1.0
@@ -148,8 +154,8 @@ class TrainerConfig:
     """Upper ratio clip 1 + clip_eps_high, lower stays 1 - clip_eps (DAPO's clip-higher, arXiv:2503.14476: 0.28 with
     clip_eps 0.2; logged as clip_frac_high); null = clip_eps."""
     mask_truncated: bool = False
-    """Leave completions cut at generation.max_new_tokens (no EOS) out of the loss and its normalisers (DAPO's
-    overlong filtering); their rewards still count in the group baselines."""
+    """Leave completions cut at generation.max_new_tokens (no EOS, no stop string) out of the loss and its normalisers
+    (DAPO's overlong filtering); their rewards still count in the group baselines."""
     resample_zero_std: int = 0
     """Dynamic sampling (DAPO's, per node): a node whose every agent group got equal immediate rewards regenerates
     its completions, up to this many times (train/resampled_nodes counts them); 0 = off."""

@@ -15,7 +15,7 @@ class CompletionInfo:
     """What the env and feedback see of one agent's completion besides its text (score's
     `completion_info`, feedback's context["completion_info"])."""
 
-    truncated: bool  # cut at generation.max_new_tokens (no EOS)
+    truncated: bool  # cut at generation.max_new_tokens (no EOS, no stop string of generation.stop)
     tool_calls: list = field(default_factory=list)  # the turn's calls, in order: {"name", "arguments", "output",
     # "error" (None, or a kind such as "timeout"), "seconds"} (docs/tools.md)
 

@@ -19,7 +19,7 @@ from .backends import GenerationBackend
 from .distributed import World
 from .env import Environment
 from .feedback import Branch
-from .generation import SamplingParams
+from .generation import SamplingParams, StopStrings
 from .rollout import TreeSettings, expand_trees
 
 
@@ -36,7 +36,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 def run_paths(problems, env, backend, feedback, num_turns, sampling, seed: int | None = None,
               world: World | None = None, early_termination_threshold: float | None = None,
               on_reward_error: str = "raise", stop_on_truncation: bool = False,
-              conversation=None) -> dict[int, list[tuple[int, dict]]]:
+              conversation=None, stop_strings: StopStrings | None = None) -> dict[int, list[tuple[int, dict]]]:
     """turn -> [(problem index, outcomes)] for one K=1 path per problem, in problem order. With
     several processes each runs its share of the problems and rank 0 gets them all (others: {})."""
     world = world or World()  # one process
@@ -48,7 +48,8 @@ def run_paths(problems, env, backend, feedback, num_turns, sampling, seed: int |
                                 early_termination_threshold=early_termination_threshold,
                                 stop_on_truncation=stop_on_truncation, on_reward_error=on_reward_error,
                                 expand="all", resample_zero_std=0,
-                                cross_credit="mean", team_weight=1.0, overlap_chunks=1)
+                                cross_credit="mean", team_weight=1.0, overlap_chunks=1,
+                                stop=stop_strings or StopStrings())
         rollout = expand_trees(problems[start:stop], env, backend, feedback, settings, sampling,
                                seed=seed, tree_offset=start, conversation=conversation)
         last: dict[int, tuple[int, dict]] = {}
@@ -81,13 +82,15 @@ def evaluate(
     on_reward_error: str = "raise",
     stop_on_truncation: bool = False,
     conversation=None,
+    stop_strings: StopStrings | None = None,
 ) -> dict[str, float]:
     """Eval metrics (on rank 0 when several processes share the problems); `seed` keys the sampled
-    paths' streams; paths stop early, and score errors are handled, as in training."""
+    paths' streams; paths stop early, score errors are handled, and each agent's stop strings end its
+    completions, as in training."""
     start = time.perf_counter()
     out: dict[str, float] = {}
     stop = dict(early_termination_threshold=early_termination_threshold, on_reward_error=on_reward_error,
-                stop_on_truncation=stop_on_truncation, conversation=conversation)
+                stop_on_truncation=stop_on_truncation, conversation=conversation, stop_strings=stop_strings)
     greedy = run_paths(problems, env, backend, feedback, num_turns, replace(sampling, greedy=True), world=world, **stop)
     repeated = [p for p in problems for _ in range(num_samples)]
     sampled = (

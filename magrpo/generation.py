@@ -8,6 +8,7 @@ generator with it (its streams differ from HF's, with the same caveat).
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -19,6 +20,7 @@ class GenerationRequest:
     n: int  # samples to draw
     seed: int | None = None  # key of this request's random streams (sample k uses stream_key(seed, k)); None: drawn
     continuation: tuple[int, ...] = ()  # token ids after the encoded prompt: a turn resumed after a tool's output
+    stop: tuple[str, ...] = ()  # the agent's stop strings: end the completion, finished (kept in it)
     # What tools see of the request's problem (env.tool_context(problem)); backends ignore it, and it
     # takes no part in equality or hashing: a problem is a dict, and two requests are alike without it.
     context: Mapping[str, Any] | None = field(default=None, compare=False)
@@ -32,4 +34,37 @@ class SamplingParams:
     top_k: int = 0  # 0 = off
     logprobs: bool = False  # also return each sampled token's log-prob under the sampling distribution
     greedy: bool = False  # argmax decoding (evaluation); temperature/top-k/top-p then only shape log-probs
-    stop: tuple[str, ...] = ()  # end a completion once its text contains one of these (kept in it)
+    # Pause markers (a tool call's end): end a completion once its text holds one, kept in it, with
+    # `finished` False (the turn goes on after the tool). The request's own `stop` ends it finished;
+    # whichever ends first in the text wins, the request's on a tie.
+    stop: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class StopStrings:
+    """Each agent's stop strings (`GenerationRequest.stop`): `default` (generation.stop) unless its
+    entry in `own` (agents[i].stop) is not None."""
+
+    default: tuple[str, ...] = ()
+    own: tuple[tuple[str, ...] | None, ...] = ()
+
+    @classmethod
+    def of(cls, cfg: Any) -> StopStrings:
+        """From a TrainConfig, escapes read (`unescape`)."""
+        def strings(values) -> tuple[str, ...]:
+            return tuple(unescape(s) for s in values)
+
+        return cls(strings(cfg.generation.stop), tuple(None if a.stop is None else strings(a.stop) for a in cfg.agents))
+
+    def of_agent(self, agent: int) -> tuple[str, ...]:
+        own = self.own[agent] if agent < len(self.own) else None
+        return self.default if own is None else own
+
+
+ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
+
+
+def unescape(text: str) -> str:
+    """A stop string as written on the command line: Hydra keeps `\\n` in a quoted value as a backslash
+    and an n, so \\n, \\t, \\r and \\\\ are read here as in a Python literal (other backslashes stay)."""
+    return re.sub(r"\\(.)", lambda m: ESCAPES.get(m[1], m[0]), text, flags=re.S)

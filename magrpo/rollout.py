@@ -22,7 +22,7 @@ from .backends import GenerationBackend
 from .env import CompletionInfo, Environment, Scored, call_env
 from .errors import RewardError, describe, qualified_name
 from .feedback import Branch, accepted
-from .generation import GenerationRequest, SamplingParams
+from .generation import GenerationRequest, SamplingParams, StopStrings
 from .sampling import stream_key
 from .tree import Completion, Node, expanded, joint_actions
 
@@ -46,6 +46,7 @@ class TreeSettings:
     cross_credit: str  # how a completion is credited when checking its group for zero variance
     team_weight: float  # with per-agent rewards: each agent's value = w x team + (1 - w) x its own
     overlap_chunks: int  # a turn's nodes in this many backend calls, scored while the next part generates
+    stop: StopStrings  # each agent's stop strings (generation.stop, agents[i].stop): its requests carry them
 
     @classmethod
     def of(cls, cfg: Any) -> "TreeSettings":
@@ -56,7 +57,8 @@ class TreeSettings:
                    stop_on_truncation=trainer.stop_on_truncation, on_reward_error=cfg.reward.on_error,
                    expand=trainer.expand,
                    resample_zero_std=trainer.resample_zero_std, cross_credit=trainer.cross_credit,
-                   team_weight=cfg.reward.team_weight, overlap_chunks=cfg.generation.overlap_chunks)
+                   team_weight=cfg.reward.team_weight, overlap_chunks=cfg.generation.overlap_chunks,
+                   stop=StopStrings.of(cfg))
 
 
 EXPAND_DRAWS = 0x45585044  # a stream domain of its own for random:M (never a sampling stream's key)
@@ -276,11 +278,11 @@ class TreeExpander:
 
     def request(self, node: Node, agent: int, attempt: int, context: Any = None) -> GenerationRequest:
         """In a conversation the prompt is the first one, and the chat so far its continuation."""
-        stream = self.stream(node, agent, attempt)
+        stream, stop = self.stream(node, agent, attempt), self.tree.stop.of_agent(agent)
         if node.continuation:
             return GenerationRequest(node.prompt_history[agent][0], agent, self.k, stream,
-                                     continuation=node.continuation[agent], context=context)
-        return GenerationRequest(node.prompts[agent], agent, self.k, stream, context=context)
+                                     continuation=node.continuation[agent], stop=stop, context=context)
+        return GenerationRequest(node.prompts[agent], agent, self.k, stream, stop=stop, context=context)
 
     @staticmethod
     def stream(node: Node, agent: int, attempt: int) -> int | None:

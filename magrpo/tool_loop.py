@@ -5,7 +5,9 @@ made in a turn, or the turn's `max_new_tokens` (model and tool tokens together) 
 
 A turn's completion holds every segment in order; the tool segments are masked out of the loss
 (`Completion.from_segments`, docs/backends.md "Inserted tokens"). Backend-neutral: it calls only
-`backend.generate`, with a stop string and `GenerationRequest.continuation`. Each `Turn` is one rollout
+`backend.generate`, with a stop string and `GenerationRequest.continuation`. An agent's own stop
+strings (`GenerationRequest.stop`, kept in every resumed request) end the turn instead: a reply that
+writes one before a call's end is finished and calls nothing. Each `Turn` is one rollout
 branch for the tools: its `Session` (magrpo.tool_state) carries the request's context and the stateful
 tools' handles, all released when the turn ends.
 """

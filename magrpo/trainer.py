@@ -313,7 +313,7 @@ class Run:
                        self.cfg.eval.num_samples, seed=stream_key(trainer.seed, step, EVAL_STREAM), world=self.world,
                        early_termination_threshold=trainer.early_termination_threshold,
                        on_reward_error=self.cfg.reward.on_error, stop_on_truncation=trainer.stop_on_truncation,
-                       conversation=self.conversation)
+                       conversation=self.conversation, stop_strings=self.tree.stop)
         if self.world.is_main:
             last = trainer.num_turns - 1
             summary = ", ".join(

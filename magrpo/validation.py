@@ -99,6 +99,7 @@ def validate(cfg: TrainConfig) -> None:
     above("generation.temperature", gen.temperature, 0)
     if not 0 < gen.top_p <= 1:
         raise ConfigError("generation.top_p", f"must be in (0, 1], got {gen.top_p}")
+    check_stop_strings(cfg)
 
     at_least("trainer.tis_cap", trainer.tis_cap, 0.0)
     _validate_backend(cfg)
@@ -148,6 +149,16 @@ def validate(cfg: TrainConfig) -> None:
         key = "model.name" if i == 0 else "agents[].model"
         _check_model_name(key, name)
     start_tools(cfg)  # last: MCP servers start only for a config that passed every cheaper check
+
+
+def check_stop_strings(cfg: TrainConfig) -> None:
+    """generation.stop and agents[i].stop hold non-empty strings (an empty one is in every text: it
+    would end each completion at its first token)."""
+    own = [(f"agents[{i}].stop", a.stop) for i, a in enumerate(cfg.agents) if a.stop is not None]
+    for key, strings in [("generation.stop", cfg.generation.stop), *own]:
+        if any(s == "" for s in strings):
+            raise ConfigError(key, 'stop strings must not be empty, e.g. generation.stop=["\\n```\\n"] '
+                                   '(docs/backends.md#stop-strings)')
 
 
 def check_loss_credit_options(cfg: TrainConfig) -> None:

@@ -176,7 +176,8 @@ def tiny_qwen2(vocab_size: int, num_hidden_layers: int, seed: int = 0):
 
 class ToolScriptBackend:
     """Character-level (a token is `ord(c)`): a request whose turn so far holds i tool responses gets
-    `replies[min(i, last)]`, cut at `params.stop` (kept, no EOS) and at `max_new_tokens`. `replies`
+    `replies[min(i, last)]`, cut at `params.stop` (kept, no EOS), at the request's own `stop` (kept,
+    finished) and at `max_new_tokens`. `replies`
     may also be a dict: a script per request prompt."""
 
     def __init__(self, replies: list[str] | dict[str, list[str]]):
@@ -196,9 +197,10 @@ class ToolScriptBackend:
             seen = "".join(map(chr, r.continuation)).count("<tool_response>")
             script = self.replies[r.prompt] if isinstance(self.replies, dict) else self.replies
             text = script[min(seen, len(script) - 1)]
-            ends = [text.index(s) + len(s) for s in params.stop if s in text]
-            finished = not ends
-            text = text[: min(ends)] if ends else text
+            # (end, is a pause marker): the first to end wins, the request's own stop strings a tie
+            ends = sorted((text.index(s) + len(s), s not in r.stop) for s in (*r.stop, *params.stop) if s in text)
+            finished = not ends or not ends[0][1]
+            text = text[: ends[0][0]] if ends else text
             if len(text) > params.max_new_tokens:
                 text, finished = text[: params.max_new_tokens], False
             ids = self.encode(r.agent, text)

@@ -5,6 +5,8 @@ engine serves the whole module: starting one takes ~50 s here.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 pytest.importorskip("vllm", reason="vllm not installed: bash scripts/setup_vllm.sh, then run with that venv's python")
@@ -183,6 +185,34 @@ def test_vllm_stops_at_a_stop_string_and_keeps_it(setup):
         assert after.token_ids == before.token_ids[:n] and len(after.logprobs) == n
         if stop in tok.decode(before.token_ids):
             assert stop in tok.decode(after.token_ids) and stop not in tok.decode(after.token_ids[:-1])
+
+
+def test_vllm_ends_each_agents_completion_at_its_own_stop_string_finished_as_hf_does(setup):
+    """generation.stop / agents[i].stop on vLLM: per request in one call, the stop string's token kept,
+    finished (a pause marker cuts the same tokens unfinished), the same tokens as the HF backend."""
+    agents, backend = setup
+    tok = agents[0].tokenizer
+    greedy = SamplingParams(max_new_tokens=16, logprobs=True, greedy=True)
+    plain = [GenerationRequest("Write some code.", a, 1) for a in (0, 1)]
+    full = [c for [c] in backend.generate(plain, greedy)]
+    stops = [tok.decode(c.token_ids[4:6]) for c in full]  # each agent's own (the adapters differ)
+    requests = [replace(r, stop=(s,)) for r, s in zip(plain, stops)]
+    calls = backend.generate_calls
+    stopped = [c for [c] in backend.generate(requests, greedy)]
+    assert backend.generate_calls == calls + 1
+    for before, after, stop in zip(full, stopped, stops):
+        n = len(after.token_ids)
+        assert n <= 6 and after.finished and after.token_ids == before.token_ids[:n] and len(after.logprobs) == n
+        assert stop in tok.decode(after.token_ids) and stop not in tok.decode(after.token_ids[:-1])
+    hf = [c for [c] in HFBackend(agents).generate(requests, greedy)]
+    assert [(c.token_ids, c.finished) for c in hf] == [(c.token_ids, c.finished) for c in stopped]
+    # The same string as the tool loop's pause marker: the same cut, not finished. With a stop string
+    # that completes later (the text of 12 tokens can complete no sooner), the marker still wins.
+    assert len(full[0].token_ids) >= 12
+    later = tok.decode(full[0].token_ids[:12])
+    marker = replace(greedy, stop=(stops[0],))
+    [[paused], [both]] = backend.generate([plain[0], replace(plain[0], stop=(later,))], marker)
+    assert paused.token_ids == both.token_ids == stopped[0].token_ids and not paused.finished and not both.finished
 
 
 def test_tool_turns_on_vllm_are_spliced_masked_and_give_tool_tokens_no_gradient(setup, monkeypatch):

@@ -86,6 +86,7 @@ class HFBackend:
         unique = list(dict.fromkeys(rows))
         slot = {r: i for i, r in enumerate(unique)}
         expand = torch.tensor([slot[r] for r in rows])
+        stops = [(*requests[r].stop, *params.stop) for r in rows]  # the agent's (end the turn), the tool loop's (pause)
         new, logprobs = decode(
             model,
             [prompt_ids[r] for r in unique],
@@ -96,24 +97,20 @@ class HFBackend:
             pad_id=tok.pad_token_id,
             eos_ids=eos,
             routing=self._routing(model),
-            stop=partial(stopped_rows, tok, params.stop) if params.stop else None,
+            stop=partial(stopped_rows, tok, stops) if any(stops) else None,
         )
         self.generate_calls += 1
         completions = []
         eos_set = set(eos)
         for row, r in enumerate(rows):
-            ids = new[row].tolist()
-            end = next((t + 1 for t, i in enumerate(ids) if i in eos_set), None)
-            stop_end = stop_position(tok, params.stop, ids[:end]) if params.stop else None
-            ids = ids[: stop_end or end]
-            end = None if stop_end else end  # a stop string is no EOS: the turn goes on after a tool call
+            ids, finished = cut_at_end(tok, new[row].tolist(), eos_set, requests[r].stop, params.stop)
             self.generated_tokens += len(ids)
             completions.append(
                 Completion(
                     token_ids=ids,
                     text=self.agents[requests[r].agent].tokenizer.decode(ids, skip_special_tokens=True),
                     prompt_ids=prompt_ids[r],
-                    finished=end is not None,
+                    finished=finished,
                     logprobs=logprobs[row, : len(ids)].tolist() if logprobs is not None else None,
                 )
             )
@@ -132,18 +129,49 @@ def stop_window(stop: Sequence[str]) -> int:
     return max(len(s) for s in stop) + 1
 
 
-def stopped_rows(tokenizer, stop: Sequence[str], new: torch.Tensor) -> torch.Tensor:
-    """(rows,) bool: the row's text, up to its last token, ends in a stop string (checking the last few
-    tokens each step finds the first one)."""
-    tails = tokenizer.batch_decode(new[:, -stop_window(stop):].tolist())
-    return torch.tensor([any(s in text for s in stop) for text in tails], dtype=torch.bool)
+def stopped_rows(tokenizer, stops: Sequence[Sequence[str]], rows: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """(rows,) bool: batch row rows[i], whose tokens so far are new[i], ends in one of its stop strings
+    `stops[rows[i]]` (checking the last few tokens each step finds the first one)."""
+    rows = rows.tolist()
+    window = max((stop_window(stops[r]) for r in rows if stops[r]), default=0)
+    if not window:
+        return torch.zeros(len(rows), dtype=torch.bool)
+    tails = tokenizer.batch_decode(new[:, -window:].tolist())
+    return torch.tensor([any(s in text for s in stops[r]) for r, text in zip(rows, tails)], dtype=torch.bool)
 
 
 def stop_position(tokenizer, stop: Sequence[str], ids: list[int]) -> int | None:
     """Tokens up to and including the one that completes the first stop string; None: no stop string."""
+    if not stop:
+        return None
     window = stop_window(stop)
     return next((t + 1 for t in range(len(ids))
                  if any(s in tokenizer.decode(ids[max(0, t + 1 - window) : t + 1]) for s in stop)), None)
+
+
+def cut_at_end(tokenizer, ids: list[int], eos: set[int], stop: Sequence[str], pause: Sequence[str]
+               ) -> tuple[list[int], bool]:
+    """A decoded row's completion tokens and whether it finished: through its EOS (finished), or through
+    the token that completes the first stop string in the text: one of the request's `stop` (finished:
+    the agent's turn ends) or of the tool loop's `pause` (not finished: the turn goes on after the tool);
+    a tie goes to the request's, as in vLLM (its stop list puts them first). Neither: cut at
+    max_new_tokens (not finished)."""
+    end = next((t + 1 for t, i in enumerate(ids) if i in eos), None)
+    body = ids[: end - 1] if end else ids  # a stop string in the EOS token's own text does not count
+    at_stop, at_pause = stop_position(tokenizer, stop, body), stop_position(tokenizer, pause, body)
+    if at_stop is None and at_pause is None:
+        return ids[:end], end is not None
+    if at_stop is None or at_pause is None or at_stop != at_pause:
+        first = min(t for t in (at_stop, at_pause) if t is not None)
+        return ids[:first], first == at_stop
+    # One token completes both: the one whose text ends first in the token's text wins.
+    text = tokenizer.decode(ids[max(0, at_stop - stop_window([*stop, *pause])) : at_stop])
+    return ids[:at_stop], first_end(text, stop) <= first_end(text, pause)
+
+
+def first_end(text: str, strings: Sequence[str]) -> int:
+    """Where the first of `strings` to end in `text` ends (len(text) + 1: none is in it)."""
+    return min((text.index(s) + len(s) for s in strings if s in text), default=len(text) + 1)
 
 
 @torch.no_grad()
@@ -158,7 +186,7 @@ def decode(
     eos_ids: list[int],
     drop_finished: bool = True,
     routing: RowAdapters | None = None,
-    stop: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    stop: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Sample completions for rows `expand` (an index into `prompts`, repeated for n samples).
 
@@ -170,8 +198,9 @@ def decode(
     Rows that finished leave the batch once a quarter of it has (`drop_finished`): the other rows
     keep their random streams, so their tokens stay the same (their logits may move by float
     rounding, ~1e-6, where a smaller batch's matrix products sum in another order). `routing`: the
-    model's RowAdapters, when the caller keeps one across calls. `stop`: given the rows' tokens so far,
-    which rows end here though no EOS came (a stop string, kept in the tokens).
+    model's RowAdapters, when the caller keeps one across calls. `stop`: given batch rows (indices into
+    `expand`) and their tokens so far, which of them end here though no EOS came (a stop string, kept in
+    the tokens).
     """
     device = next(model.parameters()).device
     width = max(len(p) for p in prompts)
@@ -208,7 +237,7 @@ def decode(
             finished |= torch.isin(nxt, eos)
             if stop is not None:
                 going = (~finished).nonzero().squeeze(-1)
-                finished[going] |= stop(new[alive[going], : step + 1]).to(device)
+                finished[going] |= stop(alive[going], new[alive[going], : step + 1]).to(device)
             done = int(finished.sum())
             if done == len(alive) or step == steps - 1:
                 new, new_logprobs = new[:, : step + 1], None if new_logprobs is None else new_logprobs[:, : step + 1]

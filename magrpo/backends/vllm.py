@@ -176,7 +176,7 @@ class VLLMBackend:
             eos = sorted(self.agents[requests[ids[0]].agent].eos_ids())
             outputs = self.engines[path].generate(
                 [TokensPrompt(prompt_token_ids=prompt_ids[r]) for r in ids],
-                [self._sampling(params, requests[r].n, eos, requests[r].seed) for r in ids],
+                [self._sampling(params, requests[r], eos) for r in ids],
                 lora_request=[self.lora[requests[r].agent] for r in ids],
                 use_tqdm=False,
             )
@@ -190,13 +190,14 @@ class VLLMBackend:
                         token_ids=tokens,
                         text=agent.tokenizer.decode(tokens, skip_special_tokens=True),
                         prompt_ids=prompt_ids[r],
-                        finished=bool(tokens) and tokens[-1] in eos,
+                        # an EOS or one of the request's own stop strings ends the turn (a pause marker does not)
+                        finished=bool(tokens) and tokens[-1] in eos or o.stop_reason in requests[r].stop,
                         logprobs=[step[t].logprob for step, t in zip(o.logprobs, tokens)] if params.logprobs else None,
                     ))
         return results
 
     @staticmethod
-    def _sampling(params: SamplingParams, n: int, eos: list[int], seed: int | None):
+    def _sampling(params: SamplingParams, request: GenerationRequest, eos: list[int]):
         """vLLM's sampling settings for one request. With a seed, vLLM samples the request's j-th
         completion from its own generator seeded seed + j, whatever else shares the batch."""
         import vllm
@@ -204,12 +205,14 @@ class VLLMBackend:
         shape = dict(temperature=0.0) if params.greedy else dict(
             temperature=params.temperature, top_p=params.top_p, top_k=params.top_k)
         # detokenize=False: we decode with the agent's tokenizer, exactly as the HF backend does. Stop
-        # strings (a tool call's end) need the engine's text: kept in it, and the ids run through the token
-        # that completed the string, as in the HF backend.
-        stop = dict(stop=list(params.stop), include_stop_str_in_output=True) if params.stop else {}
-        return vllm.SamplingParams(n=n, max_tokens=params.max_new_tokens, stop_token_ids=eos,
-                                   detokenize=bool(params.stop), logprobs=0 if params.logprobs else None, seed=seed,
-                                   **stop, **shape)
+        # strings (the agent's own, a tool call's end) need the engine's text: kept in it, and the ids run
+        # through the token that completed the string, as in the HF backend. The one that ends first in the
+        # text wins; the request's own come first, so they win a tie (the HF backend's rule too).
+        stops = [*request.stop, *params.stop]
+        stop = dict(stop=stops, include_stop_str_in_output=True) if stops else {}
+        return vllm.SamplingParams(n=request.n, max_tokens=params.max_new_tokens, stop_token_ids=eos,
+                                   detokenize=bool(stops), logprobs=0 if params.logprobs else None,
+                                   seed=request.seed, **stop, **shape)
 
     # ---- weight sync and its guards ---------------------------------------------------------
     def sync_weights(self) -> None:
