@@ -49,23 +49,25 @@ def summary(outcomes: list[tuple[dict, dict]]) -> dict:
 
 
 def measure(model: str, problems: int, samples: int, max_new_tokens: int, agents: int, seed: int = 0,
-            start_at: int = 0, out: Path | None = None) -> dict:
+            start_at: int = 0, out: Path | None = None, stop: tuple[str, ...] = ()) -> dict:
     from magrpo.backends import make_backend
     from magrpo.cli import compose
     from magrpo.evaluation import run_paths
-    from magrpo.generation import SamplingParams
+    from magrpo.generation import SamplingParams, StopStrings
     from magrpo.models import load_agents
     from magrpo.sampling import stream_key
     from magrpo.trainer import prepare
 
     cfg = compose([f"model={model}", "env.dataset=easy", f"env.num_agents={agents}", "trainer.num_turns=1",
                    f"env.train_split='train[:{problems}]'", "env.eval_split=heldout",
-                   f"generation.max_new_tokens={max_new_tokens}", "eval.at_end=false"])
+                   f"generation.max_new_tokens={max_new_tokens}", "eval.at_end=false",
+                   *([f"generation.stop={json.dumps(list(stop))}"] if stop else [])])
     env, feedback = prepare(cfg)
     chosen = list(env.problems("train"))[start_at:]
     g = cfg.generation
     settings = {"problems": f"train[{start_at}:{problems}]", "samples": samples, "agents": agents, "model": model,
-                "temperature": g.temperature, "top_p": g.top_p, "max_new_tokens": g.max_new_tokens, "seed": seed}
+                "temperature": g.temperature, "top_p": g.top_p, "max_new_tokens": g.max_new_tokens, "seed": seed,
+                "stop": list(stop)}
     sampling = SamplingParams(g.max_new_tokens, g.temperature, g.top_p, g.top_k)
     start = time.perf_counter()
     backend = make_backend(cfg, load_agents(cfg, env.num_agents))
@@ -76,7 +78,8 @@ def measure(model: str, problems: int, samples: int, max_new_tokens: int, agents
             repeated = [p for p in chunk for _ in range(samples)]
             # the stream is keyed by the problem's index in the split: a resumed run (--start-at) draws the same
             key = stream_key(seed, STREAM, start_at + first)
-            paths = run_paths(repeated, env, backend, feedback, 1, sampling, seed=key)[0]
+            paths = run_paths(repeated, env, backend, feedback, 1, sampling, seed=key,
+                              stop_strings=StopStrings.of(cfg))[0]
             outcomes += [(repeated[i], outcome) for i, outcome in paths]
             result = {**summary(outcomes), **settings, "seconds": round(time.perf_counter() - start, 1),
                       "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
@@ -91,6 +94,8 @@ def measure(model: str, problems: int, samples: int, max_new_tokens: int, agents
 
 
 def main(argv: list[str] | None = None) -> dict:
+    from magrpo.generation import unescape
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--problems", type=int, default=40, help="the first N problems of the train split")
@@ -98,10 +103,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--samples", type=int, default=4, help="sampled paths per problem")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--agents", type=int, default=1)
+    parser.add_argument("--stop", nargs="*", default=[], help="generation.stop strings (\\n read as a newline), "
+                        "e.g. --stop '\\n```\\n'")
     parser.add_argument("--out", type=Path, default=None, help="write the result here as JSON")
     args = parser.parse_args(argv)
     result = measure(args.model, args.problems, args.samples, args.max_new_tokens, args.agents,
-                     start_at=args.start_at, out=args.out)
+                     start_at=args.start_at, out=args.out,
+                     stop=tuple(unescape(s) for s in args.stop))
     print(json.dumps(result, indent=1))
     return result
 

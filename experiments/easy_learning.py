@@ -1,0 +1,251 @@
+"""Issue 32's experiment: does MAGRPO-MT raise held-out pass@1 of SmolLM2-135M on `env.dataset=easy`?
+
+    python experiments/easy_learning.py all              # run every variant x seed, then report
+    python experiments/easy_learning.py all --smoke      # the same pipeline on the tiny model, seconds
+    python experiments/easy_learning.py report           # tables, plot and headline of what finished
+
+Variants (each one `train.py` run per seed, in-process through magrpo.cli, in out/runs/<variant>/seed<s>):
+the method (2 agents, 2 turns, level_feedback), one agent with the same turns and feedback, and 2
+agents in one turn. The untrained agents are each run's evaluation at step 0. Every variant samples
+at least the method's completions per step (its batch is scaled; code_learning.batch_size). The
+held-out split (`heldout`: other templates and other instances, never trained on) is evaluated
+before the first step, every `eval_every` steps and after the last, greedy and sampled, per turn.
+
+A run that is stopped resumes from its last checkpoint when the same command is run again
+(`resume=auto`, a checkpoint every `checkpoint_every` steps); finished runs are kept and checked to
+have the same settings. docs/easy_learning_results.md holds the results and how they were made.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Sequence
+
+ROOT = Path(__file__).resolve().parents[1]
+for path in (ROOT, ROOT / "experiments"):  # this checkout's magrpo, and code_learning beside this file
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+
+import code_learning as shared  # noqa: E402  (the HumanEval experiment: variants, run checks, report tables)
+
+METHOD = shared.REFERENCE  # "level_feedback": 2 agents, 2 turns
+VARIANT_NAMES = (METHOD, "single_agent", "one_turn")
+
+
+@dataclass(frozen=True)
+class Sizes:
+    model: str
+    steps: int
+    batch_size: int  # problems per step of the method; other variants sample at least as many completions
+    k: int  # trainer.num_generations
+    max_new_tokens: int
+    lr: float
+    eval_problems: int  # first this many held-out problems (0 = all 95)
+    eval_samples: int  # sampled eval paths per problem (pass@1 sampled); a greedy path always runs
+    eval_every: int  # also evaluate after every this many steps (0 = before the first and after the last)
+    seeds: dict[str, tuple[int, ...]]  # variant -> seeds
+    stop: tuple[str, ...] = ()  # generation.stop: end a completion at the end of its first code block
+    device: str = "auto"
+    checkpoint_every: int = 5
+    temperature: float = 0.7
+    top_p: float = 0.9
+
+    @property
+    def runs(self) -> list[tuple[str, int]]:
+        """(variant, seed), seed-major: an interrupted experiment has whole seeds."""
+        order = [(seed, i, name) for i, (name, seeds) in enumerate(self.seeds.items()) for seed in seeds]
+        return [(name, seed) for seed, _, name in sorted(order)]
+
+
+# The closing fence of the first code block ends a reply (the opening ```python line does not match):
+# without it SmolLM2 writes prose after its code until max_new_tokens (docs/backends.md, Stop strings).
+FULL = Sizes("smollm2-135m", steps=24, batch_size=1, k=4, max_new_tokens=128, lr=3e-4, eval_problems=40,
+             eval_samples=1, eval_every=8, seeds={METHOD: (0, 1, 2), "single_agent": (0, 1, 2), "one_turn": (0,)},
+             stop=("\n```\n",))
+SMOKE = Sizes("tiny", steps=1, batch_size=1, k=2, max_new_tokens=16, lr=1e-4, eval_problems=2, eval_samples=2,
+              eval_every=0, seeds={METHOD: (0,), "single_agent": (0,), "one_turn": (0,)}, temperature=1.0, top_p=1.0)
+
+
+def overrides(name: str, seed: int, sizes: Sizes, run_dir: Path) -> list[str]:
+    """The `train.py` settings of one run: the results page prints them, so every variant's exact config is there."""
+    v = shared.VARIANTS[name]
+    stop = [f"generation.stop={json.dumps(list(sizes.stop))}"] if sizes.stop else []
+    return [
+        f"model={sizes.model}", f"model.device={sizes.device}", f"external={v.feedback}", "env=code",
+        "env.dataset=easy", "env.train_split=train", "env.eval_split=heldout", f"env.num_agents={v.agents}",
+        f"trainer.num_turns={v.turns}", f"trainer.num_generations={sizes.k}",
+        f"trainer.batch_size={shared.batch_size(v, sizes)}", f"trainer.steps={sizes.steps}", f"trainer.lr={sizes.lr}",
+        f"trainer.seed={seed}", f"generation.max_new_tokens={sizes.max_new_tokens}",
+        f"generation.temperature={sizes.temperature}", f"generation.top_p={sizes.top_p}", *stop,
+        "eval.at_start=true", "eval.at_end=true", f"eval.every={sizes.eval_every}",
+        f"eval.max_problems={sizes.eval_problems}", f"eval.num_samples={sizes.eval_samples}",
+        f"logging.run_dir='{run_dir}'", "logging.wandb.mode=disabled", "logging.samples_every=0", "resume=auto",
+        f"checkpoint.every={sizes.checkpoint_every}",
+    ]
+
+
+def run(sizes: Sizes, out: Path, variants: Sequence[str]) -> list[Path]:
+    """Every (variant, seed) run not finished yet; finished runs are kept (same settings checked)."""
+    from magrpo.cli import main as train_main
+    from magrpo.tree import tree_size
+
+    dirs = []
+    for name, seed in sizes.runs:
+        if name not in variants:
+            continue
+        v = shared.VARIANTS[name]
+        run_dir = out / "runs" / name / f"seed{seed}"
+        dirs.append(run_dir)
+        argv = overrides(name, seed, sizes, run_dir)
+        per_step = tree_size("align", sizes.k, v.agents, v.turns)[1] * shared.batch_size(v, sizes)
+        info = {"variant": name, "seed": seed, **asdict(v), "completions_per_step": per_step,
+                "sizes": asdict(sizes), "overrides": argv}
+        if shared.finished(run_dir, sizes.steps):
+            check_same_overrides(run_dir, argv)
+            print(f"run: {name} seed {seed} already finished in {run_dir}", file=sys.stderr)
+            if not (run_dir / "experiment.json").is_file():  # stopped between training and this record
+                shared.write_info(run_dir, {**info, **shared._provenance(time.perf_counter()),
+                                            **shared.timed_by_metrics(run_dir)})
+            continue
+        print(f"run: {name} seed {seed} -> {run_dir}", file=sys.stderr, flush=True)
+        start = time.perf_counter()
+        code = train_main(argv)
+        if code:
+            raise SystemExit(f"run: {name} seed {seed} failed (exit {code}); see {run_dir}")
+        shared.write_info(run_dir, {**info, **shared._provenance(start)})
+    return dirs
+
+
+def check_same_overrides(run_dir: Path, argv: Sequence[str]) -> None:
+    """A finished run kept from an earlier call must have had these settings: the ones its
+    experiment.json recorded, else (stopped before writing it) those config.json shows."""
+    record = run_dir / "experiment.json"
+    kept = json.loads(record.read_text()).get("overrides") if record.is_file() else None
+    if kept is None:  # the config check decodes JSON values, and config.json keeps stop strings as typed
+        shared.check_same_settings(run_dir, [a for a in argv if not a.startswith("generation.stop=")])
+        return
+    differ = sorted(set(kept) ^ set(argv))
+    if differ:
+        raise SystemExit(f"run: {run_dir} finished with other settings ({', '.join(differ[:4])}); "
+                         f"pass another --out (or the options that run had)")
+
+
+# ------------------------------------------------------------------------------------------ report
+
+PASS_KEY = "pass@1_greedy"
+
+
+def last_turn_pass(records: list[dict], turns: int, step: str) -> float | None:
+    """Held-out greedy pass@1 at the variant's last turn, before training (step="before") or after."""
+    before, after = shared.before_after(records)
+    return (before if step == "before" else after).get(f"eval/turn_{turns - 1}/{PASS_KEY}")
+
+
+def headline(runs: dict[str, dict[int, tuple[list[dict], dict]]]) -> str:
+    """One sentence for the README: the method's held-out pass@1 before -> after (mean ± sd over seeds),
+    whether the rise beats its seed spread, and the best baseline's after-training pass@1."""
+    def scores(name: str, step: str) -> list[float]:
+        seeds = runs.get(name, {})
+        values = [last_turn_pass(records, info["turns"], step) for records, info in seeds.values()]
+        return [v for v in values if v is not None]
+
+    before, after = scores(METHOD, "before"), scores(METHOD, "after")
+    if not before or not after:
+        return f"No finished run of the method ({METHOD}) yet."
+    changes = [a - b for a, b in zip(after, before)]
+    # a rise "beyond the seed spread": the mean change exceeds the sd of the changes (needs 2+ seeds)
+    beats = len(changes) > 1 and statistics.mean(changes) > statistics.stdev(changes)
+    baselines = {name: sum(s) / len(s) for name in runs if name != METHOD and (s := scores(name, "after"))}
+    text = (f"Held-out greedy pass@1 of SmolLM2-135M with MAGRPO-MT (2 agents, 2 turns, level_feedback) on "
+            f"env.dataset=easy: {shared.mean_sd(before)} before -> {shared.mean_sd(after)} after "
+            f"({len(after)} seed(s); change {shared.mean_sd(changes)}, "
+            f"{'larger' if beats else 'not larger'} than its seed spread)")
+    if baselines:
+        best = max(baselines, key=baselines.get)
+        text += (f"; the best baseline, {best}, reaches {shared.mean_sd(scores(best, 'after'))} "
+                 f"({len(scores(best, 'after'))} seed(s))")
+    return text + "."
+
+
+def configs(runs: dict[str, dict[int, tuple[list[dict], dict]]]) -> str:
+    """Markdown: the exact `train.py` settings of every variant (seed 0's; the seeds differ in trainer.seed)."""
+    lines = ["**Exact settings per variant** (`python train.py <these>`; the seeds differ only in trainer.seed "
+             "and logging.run_dir)", ""]
+    for name, seeds in runs.items():
+        info = next(iter(seeds.values()))[1]
+        settings = [a for a in info.get("overrides", []) if not a.startswith("logging.run_dir")]
+        lines.append(f"- {name}: `{' '.join(settings)}`")
+    return "\n".join(lines) + "\n"
+
+
+def report(out: Path, doc: Path, image: Path) -> str:
+    """Write the Markdown results (headline, provenance, tables, settings) to `doc` and the plot to `image`."""
+    runs = shared.load_runs(out)
+    if not runs:
+        raise SystemExit(f"report: no finished runs under {out / 'runs'} (run `run` first)")
+    shared.plot(runs, image)
+    infos = [i for seeds in runs.values() for _, i in seeds.values()]
+    dates = sorted(i["date"] for i in infos)
+    machines = sorted({i["machine"] for i in infos})
+    minutes = sum(i["seconds"] for i in infos) / 60
+    head = [f"**Headline:** {headline(runs)}", "",
+            f"Runs finished between {dates[0]} and {dates[-1]} on {'; '.join(machines)}. "
+            f"Time: {len(infos)} runs, {minutes:.0f} min in all ({minutes / 60:.2f} h).",
+            f"Sizes: {json.dumps(infos[0].get('sizes', 'not recorded'))}.",
+            "", f"![results]({os.path.relpath(image, doc.parent)})", ""]
+    missing = shared.unfinished(out)
+    if missing:  # a partial report must say so
+        head[-2:-2] = [f"**Not in these tables** (no experiment.json: running, stopped or failed): "
+                       f"{', '.join(missing)}.", ""]
+    text = ("\n".join(head) + "\n" + shared.comparison(runs) + "\n" + shared.table(runs) + shared.per_step(runs)
+            + "\n**Training diagnostics** (mean ± sd over seeds)\n\n" + shared.diagnostics(runs) + "\n"
+            + configs(runs))
+    doc.parent.mkdir(parents=True, exist_ok=True)
+    doc.write_text(text)
+    return text
+
+
+# ------------------------------------------------------------------------------------------ CLI
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("command", choices=["run", "report", "all"])
+    parser.add_argument("--smoke", action="store_true", help="tiny model, 1 step, 1 seed per variant (the CI test)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="output folder (default experiments/out/easy_learning, or ..._smoke)")
+    parser.add_argument("--variants", nargs="+", choices=VARIANT_NAMES, default=list(VARIANT_NAMES))
+    parser.add_argument("--steps", type=int, default=None, help=f"training steps (default {FULL.steps})")
+    parser.add_argument("--eval-every", type=int, default=None, help=f"default {FULL.eval_every}")
+    parser.add_argument("--lr", type=float, default=None, help=f"default {FULL.lr}")
+    parser.add_argument("--seeds", type=int, default=None, help="run seeds 0..N-1 of every variant (default: "
+                        + ", ".join(f"{n} {len(s)}" for n, s in FULL.seeds.items()) + ")")
+    parser.add_argument("--device", default=None, help="model.device (default auto)")
+    parser.add_argument("--doc", type=Path, default=None, help="results Markdown (default OUT/results.md)")
+    parser.add_argument("--image", type=Path, default=None, help="plot PNG (default OUT/results.png)")
+    args = parser.parse_args(argv)
+    sizes = SMOKE if args.smoke else FULL
+    for field, value in (("steps", args.steps), ("eval_every", args.eval_every), ("lr", args.lr),
+                         ("device", args.device)):
+        if value is not None:
+            sizes = replace(sizes, **{field: value})
+    if args.seeds is not None:
+        sizes = replace(sizes, seeds={name: tuple(range(args.seeds)) for name in sizes.seeds})
+    out = args.out or ROOT / "experiments" / "out" / ("easy_learning_smoke" if args.smoke else "easy_learning")
+    from magrpo import envs, external  # noqa: F401  (fills the env and feedback registries)
+
+    if args.command in ("run", "all"):
+        run(sizes, out, args.variants)
+    if args.command in ("report", "all"):
+        print(report(out, args.doc or out / "results.md", args.image or out / "results.png"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

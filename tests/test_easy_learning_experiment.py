@@ -1,0 +1,82 @@
+"""experiments/easy_learning.py (issue 32's experiment) does not rot: every variant's settings compose
+into a valid config on the easy dataset, and the report and its README headline read hand-made run
+dirs right (seconds; no model)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+
+
+@pytest.fixture(scope="module")
+def exp():
+    spec = importlib.util.spec_from_file_location("easy_learning", ROOT / "experiments" / "easy_learning.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop(spec.name, None)
+
+
+def test_every_variant_composes_on_the_easy_splits_with_the_methods_budget(exp, tmp_path):
+    from magrpo.cli import compose
+    from magrpo.generation import StopStrings
+    from magrpo.tree import tree_size
+
+    sizes = exp.FULL
+    for name in exp.VARIANT_NAMES:
+        cfg = compose(exp.overrides(name, 1, sizes, tmp_path / name))
+        v = exp.shared.VARIANTS[name]
+        assert (cfg.env["dataset"], cfg.env["train_split"], cfg.env["eval_split"]) == ("easy", "train", "heldout")
+        assert (cfg.env["num_agents"], cfg.trainer.num_turns, cfg.trainer.seed) == (v.agents, v.turns, 1)
+        assert StopStrings.of(cfg).of_agent(0) == ("\n```\n",)  # the first code block's closing fence
+        per_step = tree_size("align", sizes.k, v.agents, v.turns)[1] * cfg.trainer.batch_size
+        assert per_step >= tree_size("align", sizes.k, 2, 2)[1] * sizes.batch_size, name
+
+
+def test_runs_are_seed_major_so_a_stopped_experiment_has_whole_seeds(exp):
+    sizes = exp.Sizes("tiny", 1, 1, 2, 8, 1e-4, 2, 1, 0, seeds={"level_feedback": (0, 1), "one_turn": (0,)})
+    assert sizes.runs == [("level_feedback", 0), ("one_turn", 0), ("level_feedback", 1)]
+
+
+def write_run(out, variant: str, seed: int, turns: int, before: float, after: float) -> None:
+    run = out / "runs" / variant / f"seed{seed}"
+    run.mkdir(parents=True)
+    key = f"eval/turn_{turns - 1}/pass@1_greedy"
+    records = [{"step": 0, "perf/eval_s": 1.0, key: before},
+               {"step": 1, "perf/step_s": 2.0, "train/turn_0/reward_mean": 0.5},
+               {"step": 1, "perf/eval_s": 1.0, key: after}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    agents = 1 if variant == "single_agent" else 2
+    (run / "experiment.json").write_text(json.dumps({
+        "variant": variant, "seed": seed, "agents": agents, "turns": turns, "feedback": "level_feedback",
+        "completions_per_step": 40, "sizes": {"steps": 1}, "overrides": ["model=tiny", f"trainer.seed={seed}",
+                                                                          f"logging.run_dir='{run}'"],
+        "date": "2026-11-25 12:00 UTC", "machine": "test machine", "seconds": 60.0}))
+
+
+def test_report_headline_tables_and_exact_settings(exp, tmp_path):
+    for seed, (before, after) in enumerate([(0.1, 0.3), (0.1, 0.25), (0.05, 0.3)]):
+        write_run(tmp_path, "level_feedback", seed, 2, before, after)
+    write_run(tmp_path, "single_agent", 0, 2, 0.1, 0.15)
+    write_run(tmp_path, "one_turn", 0, 1, 0.1, 0.2)
+    text = exp.report(tmp_path, tmp_path / "results.md", tmp_path / "results.png")
+    headline = text.splitlines()[0]
+    assert "0.083 ± 0.029 before -> 0.283 ± 0.029 after" in headline
+    assert "change 0.200 ± 0.050, larger than its seed spread" in headline
+    assert "the best baseline, one_turn, reaches 0.200 (1 seed(s))" in headline
+    assert (tmp_path / "results.png").stat().st_size > 0
+    assert "- one_turn: `model=tiny trainer.seed=0`" in text  # the run dir is left out of the settings
+    assert "test machine" in text and "5 runs, 5 min" in text
+
+
+def test_headline_says_when_the_rise_is_within_the_seed_spread(exp, tmp_path):
+    for seed, (before, after) in enumerate([(0.1, 0.1), (0.1, 0.4), (0.1, 0.1)]):  # mean +0.1, sd 0.17
+        write_run(tmp_path, "level_feedback", seed, 2, before, after)
+    headline = exp.headline(exp.shared.load_runs(tmp_path))
+    assert "not larger than its seed spread" in headline and "best baseline" not in headline
+    assert exp.headline({}) == "No finished run of the method (level_feedback) yet."
