@@ -33,3 +33,6 @@ class SamplingParams:
     logprobs: bool = False  # also return each sampled token's log-prob under the sampling distribution
     greedy: bool = False  # argmax decoding (evaluation); temperature/top-k/top-p then only shape log-probs
     stop: tuple[str, ...] = ()  # end a completion once its text contains one of these (kept in it)
+    # The caller may resume this call's unfinished completions in its next call (a tool loop): a backend
+    # may keep their state until then (the HF backend: their KV caches, magrpo.backends.hf_resume).
+    resumable: bool = False
