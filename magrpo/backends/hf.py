@@ -275,8 +275,9 @@ def row_states(cache, batch_rows: torch.Tensor, alive: torch.Tensor, attention: 
     layers = plain_layers(cache)
     if layers is None:
         return {}
-    return {int(alive[i]): row_layers(layers, int(i), attention[i].nonzero().squeeze(-1))
-            for i in batch_rows.tolist() if not torch.isin(new[alive[i]], eos).any()}
+    wrote_eos = torch.isin(new[alive[batch_rows]], eos).any(-1).tolist()  # one look for all rows (one GPU sync)
+    return {int(alive[i]): row_layers(layers, i, attention[i].nonzero().squeeze(-1))
+            for i, ended in zip(batch_rows.tolist(), wrote_eos) if not ended}
 
 
 class RowAdapters:
