@@ -38,6 +38,9 @@ class SamplingParams:
     # `finished` False (the turn goes on after the tool). The request's own `stop` ends it finished;
     # whichever ends first in the text wins, the request's on a tie.
     stop: tuple[str, ...] = ()
+    # The caller may resume this call's unfinished completions in its next call (a tool loop): a backend
+    # may keep their state until then (the HF backend: their KV caches, magrpo.backends.hf_resume).
+    resumable: bool = False
 
 
 @dataclass(frozen=True)

@@ -124,7 +124,8 @@ def generate_with_tools(backend, requests: Sequence[GenerationRequest], params: 
                         message: ToolMessage | None = None) -> list[list[Completion]]:
     """What `backend.generate(requests, params)` returns, with tool calls made and their results
     spliced into each completion; one generate call per round, all branches' calls of a round at once."""
-    params = replace(params, stop=(*params.stop, CALL_END))
+    # resumable: a round's paused branches resume in the next call, which may start from their states
+    params = replace(params, stop=(*params.stop, CALL_END), resumable=True)
     turns: list[list[Turn]] = []
     for req, completions in zip(requests, backend.generate(requests, params)):
         turns.append([])
@@ -170,7 +171,7 @@ def run_rounds(backend, turns: list[list[Turn]], params: SamplingParams, setting
         if resume:
             budgets = [params.max_new_tokens - len(t.tokens()) for t in resume]
             out = backend.generate([resume_request(t, round_) for t in resume],
-                                   replace(params, max_new_tokens=max(budgets)))
+                                   replace(params, max_new_tokens=max(budgets), resumable=round_ < settings.max_calls))
             for turn, budget, [c] in zip(resume, budgets, out):
                 turn.add_model(c, budget)
 

@@ -3,14 +3,16 @@
 All requests for agents that share a base model go into one left-padded batch, its rows grouped by
 agent; `RowAdapters` routes each group through its own agent's LoRA. We run our own decode loop over
 the model's forward (rather than `model.generate`) to prefill each distinct prompt once for its n
-samples and to sample without `torch.multinomial`, both large costs on CPU.
+samples and to sample without `torch.multinomial`, both large costs on CPU. A call with
+`SamplingParams.resumable` keeps its unfinished rows' KV caches for the next call to resume from
+(magrpo.backends.hf_resume).
 """
 from __future__ import annotations
 
 from collections import defaultdict
 from contextlib import contextmanager
 from functools import partial
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, NamedTuple, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +22,7 @@ from ..models import Agent, cache_keyword
 from ..sampling import sample, sampling_logprobs, stream_key, stream_uniforms
 from ..tree import Completion
 from .base import encode_requests
+from .hf_resume import KeptStates, RowState, plain_layers, resumed_inputs, row_layers
 
 
 class HFBackend:
@@ -32,6 +35,7 @@ class HFBackend:
         self.generated_tokens = 0
         self.largest_chunk = 0  # rows of the biggest decode so far (what an out-of-memory halves)
         self.routing: dict[int, RowAdapters] = {}  # per base model: its LoRA layers, found once
+        self.kept = KeptStates()  # the last call's unfinished rows' KV caches, when it was resumable
 
     def halve_batch(self) -> int:
         """After an out-of-memory: decode at most half the rows of the biggest chunk from now on."""
@@ -42,17 +46,20 @@ class HFBackend:
         """Generation runs on the trainer's own modules: nothing to copy."""
 
     def sleep(self) -> None:
-        """Nothing of its own to free: the modules are the trainer's."""
+        """The modules are the trainer's: only the kept KV caches are ours to free."""
+        self.kept = KeptStates()
 
     def metrics(self) -> dict[str, float]:
         return {}
 
     def close(self) -> None:
-        """Nothing to shut down."""
+        """Nothing to shut down; the kept KV caches go."""
+        self.kept = KeptStates()
 
     @torch.no_grad()
     def generate(self, requests: Sequence[GenerationRequest], params: SamplingParams) -> list[list[Completion]]:
         results: list[list[Completion]] = [[] for _ in requests]
+        kept, self.kept = self.kept, KeptStates()  # this call resumes from the last one's states, and drops the rest
         by_model: dict[int, list[int]] = defaultdict(list)
         for r, req in enumerate(requests):
             by_model[id(self.agents[req.agent].model)].append(r)
@@ -67,7 +74,8 @@ class HFBackend:
             for start in range(0, len(rows), chunk):
                 part = rows[start : start + chunk]
                 self.largest_chunk = max(self.largest_chunk, len(part))
-                completions = self._generate_rows(requests, part, keys[start : start + chunk], prompt_ids, params)
+                completions = self._generate_rows(requests, part, keys[start : start + chunk], prompt_ids, params,
+                                                  kept)
                 for r, completion in zip(part, completions):
                     results[r].append(completion)
         return results
@@ -78,7 +86,7 @@ class HFBackend:
         return self.routing[id(model)]
 
     def _generate_rows(self, requests, rows: list[int], keys: list[int], prompt_ids: dict[int, list[int]],
-                       params: SamplingParams):
+                       params: SamplingParams, kept: KeptStates):
         first = self.agents[requests[rows[0]].agent]
         model, tok = first.model, first.tokenizer
         eos = sorted(first.eos_ids())
@@ -87,7 +95,7 @@ class HFBackend:
         slot = {r: i for i, r in enumerate(unique)}
         expand = torch.tensor([slot[r] for r in rows])
         stops = [(*requests[r].stop, *params.stop) for r in rows]  # the agent's (end the turn), the tool loop's (pause)
-        new, logprobs = decode(
+        decoded = decode(
             model,
             [prompt_ids[r] for r in unique],
             [self.agents[requests[r].agent].adapter for r in unique],
@@ -98,13 +106,18 @@ class HFBackend:
             eos_ids=eos,
             routing=self._routing(model),
             stop=partial(stopped_rows, tok, stops) if any(stops) else None,
+            kept=[kept.find(requests[r].agent, prompt_ids[r]) for r in unique] if len(kept) else None,
+            keep_states=params.resumable,
         )
+        new, logprobs = decoded.tokens, decoded.logprobs
         self.generate_calls += 1
         completions = []
         eos_set = set(eos)
         for row, r in enumerate(rows):
             ids, finished = cut_at_end(tok, new[row].tolist(), eos_set, requests[r].stop, params.stop)
             self.generated_tokens += len(ids)
+            if decoded.states is not None and row in decoded.states and not finished and ids:
+                self._keep(requests[r].agent, prompt_ids[r] + ids[:-1], decoded.states[row])
             completions.append(
                 Completion(
                     token_ids=ids,
@@ -115,6 +128,19 @@ class HFBackend:
                 )
             )
         return completions
+
+    def _keep(self, agent: int, tokens: list[int], layers) -> None:
+        """Keep a paused row's keys and values of `tokens` (its last sampled token was never fed, so
+        the next call feeds it first)."""
+        if all(keys.shape[1] >= len(tokens) for keys, _ in layers):
+            self.kept.keep(agent, RowState(tuple(tokens), tuple((k[:, : len(tokens)], v[:, : len(tokens)])
+                                                                 for k, v in layers)))
+
+
+class Decoded(NamedTuple):
+    tokens: torch.Tensor  # (rows, steps) new token ids, pad after EOS
+    logprobs: torch.Tensor | None  # (rows, steps) their sampling log-probs, when asked
+    states: dict[int, tuple] | None  # with `keep_states`: per row without EOS, its keys and values per layer
 
 
 def row_keys(request: GenerationRequest) -> list[int]:
@@ -187,7 +213,9 @@ def decode(
     drop_finished: bool = True,
     routing: RowAdapters | None = None,
     stop: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    kept: list[RowState | None] | None = None,
+    keep_states: bool = False,
+) -> Decoded:
     """Sample completions for rows `expand` (an index into `prompts`, repeated for n samples).
 
     One batched prefill over the distinct prompts (left-padded, positions from the mask as in
@@ -201,11 +229,20 @@ def decode(
     model's RowAdapters, when the caller keeps one across calls. `stop`: given batch rows (indices into
     `expand`) and their tokens so far, which of them end here though no EOS came (a stop string, kept in
     the tokens).
+    `kept`: per prompt, a state of an earlier call whose tokens begin it (or None): only the rest of
+    the prompt is prefilled. `keep_states`: also return each row's keys and values (every row that
+    wrote no EOS).
     """
     device = next(model.parameters()).device
-    width = max(len(p) for p in prompts)
-    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)
-    attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    cache_key = cache_keyword(model)
+    prior = {}
+    if kept is not None and any(state is not None for state in kept):
+        ids, attention, cache = resumed_inputs(prompts, kept, pad_id, model.config, device)
+        prior = {cache_key: cache}
+    else:
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)
+        attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     expand, stream_keys = expand.to(device), stream_keys.to(device)
     row_adapters = [adapters[i] for i in expand.tolist()]
     model.eval()
@@ -217,10 +254,11 @@ def decode(
     # Every row's uniform for every step at once (row r, step t: draw t of stream stream_keys[r]).
     uniforms = None if params.greedy else stream_uniforms(stream_keys, torch.arange(steps, device=device))
     finished = torch.zeros(len(expand), dtype=torch.bool, device=device)  # per batch row
-    cache_key = cache_keyword(model)
+    states = {} if keep_states else None
     with (routing or RowAdapters(model)).active() as routing:
-        out = model(input_ids=ids, attention_mask=attention, position_ids=(attention.cumsum(-1) - 1).clamp(min=0),
-                    use_cache=True, logits_to_keep=1, **routing.rows(adapters))
+        positions = (attention.cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1] :]  # after a kept state: from it on
+        out = model(input_ids=ids, attention_mask=attention, position_ids=positions,
+                    use_cache=True, logits_to_keep=1, **prior, **routing.rows(adapters))
         cache = out[cache_key]
         cache.batch_select_indices(expand)
         logits = out.logits[expand, -1]
@@ -240,9 +278,13 @@ def decode(
                 finished[going] |= stop(alive[going], new[alive[going], : step + 1]).to(device)
             done = int(finished.sum())
             if done == len(alive) or step == steps - 1:
+                if states is not None:
+                    states.update(row_states(cache, torch.arange(len(alive)), alive, attention, new, eos))
                 new, new_logprobs = new[:, : step + 1], None if new_logprobs is None else new_logprobs[:, : step + 1]
                 break
             if drop_finished and done >= max(1, len(alive) // 4):  # finished rows would cost a forward per step
+                if states is not None:  # a row paused at a stop string keeps its state as it leaves
+                    states.update(row_states(cache, finished.nonzero().squeeze(-1), alive, attention, new, eos))
                 keep = (~finished).nonzero().squeeze(-1)
                 cache.batch_select_indices(keep)
                 alive, attention, positions, nxt = alive[keep], attention[keep], positions[keep], nxt[keep]
@@ -252,7 +294,20 @@ def decode(
             out = model(input_ids=nxt[:, None], attention_mask=attention, position_ids=positions[:, None],
                         use_cache=True, **{cache_key: cache}, **route)
             cache, logits, positions = out[cache_key], out.logits[:, -1], positions + 1
-    return new.cpu(), (new_logprobs.cpu() if new_logprobs is not None else None)
+    return Decoded(new.cpu(), new_logprobs.cpu() if new_logprobs is not None else None, states)
+
+
+def row_states(cache, batch_rows: torch.Tensor, alive: torch.Tensor, attention: torch.Tensor, new: torch.Tensor,
+               eos: torch.Tensor) -> dict[int, tuple]:
+    """Row alive[i]'s keys and values for each i in `batch_rows` whose tokens hold no EOS: every column
+    its attention mask marks (the prompt, then each token fed so far); nothing for a cache of another
+    layout."""
+    layers = plain_layers(cache)
+    if layers is None:
+        return {}
+    wrote_eos = torch.isin(new[alive[batch_rows]], eos).any(-1).tolist()  # one look for all rows (one GPU sync)
+    return {int(alive[i]): row_layers(layers, i, attention[i].nonzero().squeeze(-1))
+            for i, ended in zip(batch_rows.tolist(), wrote_eos) if not ended}
 
 
 class RowAdapters:
