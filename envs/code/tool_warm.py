@@ -7,8 +7,9 @@ magrpo renders it: chat template, tools preamble), then a reply that either
 * calls `run_tests` on a draft (the reference, or a plausibly wrong variant of it), reads the tool's
   real output (run through the sandbox, tokenized as the tool loop appends it, masked from the loss),
   then writes the final code (the reference); or
-* writes the reference code directly, with no call (`WarmSpec.call_share` of the replies call), so
-  the model keeps both behaviours and GRPO has a choice to learn from.
+* writes the reference code directly, with no call, so the model keeps both behaviours and GRPO
+  has a choice to learn from. The reply's first token (call or code) is taught apart, as probability
+  `WarmSpec.call_share` of calling (as envs/tool_arith_warm.py does).
 
 Saved as an ordinary HF folder, built once and cached by its recipe under
 `$MAGRPO_CACHE/smollm2_tool_warm/` (atomic rename):
@@ -39,7 +40,7 @@ from .env import CodeEnv
 from .reward import helper_names
 from .tools import run_tests
 
-FORMAT_VERSION = 1  # bump when the recipe below changes in a way WarmSpec does not show
+FORMAT_VERSION = 2  # bump when the recipe below changes in a way WarmSpec does not show
 TOOL = "run_tests"
 
 
@@ -204,8 +205,10 @@ def _train(spec: WarmSpec, base: Path, env: CodeEnv, out: Path) -> None:
     model.train()
     optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=spec.lr, weight_decay=0.0)
     start, tokens = time.perf_counter(), 0
+    first = torch.tensor(_first_tokens(transcripts))
+    target = torch.tensor([spec.call_share, 1 - spec.call_share])
     for n, t in enumerate(transcripts, 1):
-        loss = _loss(model, t)
+        loss = _loss(model, t, first, target)
         optim.zero_grad()
         loss.backward()
         optim.step()
@@ -219,10 +222,20 @@ def _train(spec: WarmSpec, base: Path, env: CodeEnv, out: Path) -> None:
     tok.save_pretrained(out)
 
 
-def _loss(model, t: Transcript):
-    """Cross-entropy over the model's own tokens. The prompt (all but its last token) runs without
-    gradients as a KV cache: ~2/3 of the tokens, never in the loss; its last token predicts the reply's
-    first (call or code), so it runs with the reply."""
+def _first_tokens(transcripts: Sequence[Transcript]) -> tuple[int, int]:
+    """The reply's first token when it calls and when it writes code (`<` and `def` for SmolLM2)."""
+    firsts = {t.call is not None: t.segments[0][0][0] for t in transcripts}
+    if len({t.segments[0][0][0] for t in transcripts}) != 2 or len(firsts) != 2:
+        raise RuntimeError("the replies do not start with one token for a call and one for code")
+    return firsts[True], firsts[False]
+
+
+def _loss(model, t: Transcript, first, target):
+    """Cross-entropy over the model's own tokens after the reply's first, plus the decision: at the
+    first, cross-entropy against (call_share, 1 - call_share) over (call, code), so the model calls
+    with that probability whichever transcripts came last (one pass of batch-1 steps left it to them:
+    0.35 and 0.29 for call_shares 0.5 and 0.6). The prompt (all but its last token) runs without
+    gradients as a KV cache: ~2/3 of the tokens, never in the loss."""
     import torch
     import torch.nn.functional as F
 
@@ -233,8 +246,10 @@ def _loss(model, t: Transcript):
     with torch.no_grad():
         cache = getattr(model(input_ids=ids[:, :head], use_cache=True), key)
     logits = model(input_ids=ids[:, head:], **{key: cache}).logits[0, :-1]  # position i predicts i + 1
-    at = learn[head + 1:]
-    return F.cross_entropy(logits[at], ids[0, head + 1:][at])
+    at = learn[head + 1:].clone()
+    at[0] = False  # the first reply token: the decision below
+    tokens = F.cross_entropy(logits[at], ids[0, head + 1:][at])
+    return tokens - (F.log_softmax(logits[0], dim=-1)[first] * target).sum()
 
 
 if __name__ == "__main__":
