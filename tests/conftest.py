@@ -59,6 +59,16 @@ def load_bench(name: str):
     return sys.modules[name]
 
 
+def experiment_module(name: str):
+    """experiments/<name>.py as a module (a generator: the fixture's teardown forgets it again)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "experiments" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop(spec.name, None)
+
+
 LOCAL_HOSTS = {None, "", "localhost", "127.0.0.1", "::1", "0.0.0.0"}
 
 

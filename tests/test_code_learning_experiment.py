@@ -3,23 +3,16 @@ selection, the budget matching, the data split and the report on hand-made run d
 the whole select -> run -> report pipeline on the tiny model (--smoke, slow)."""
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import experiment_module
 
 
 @pytest.fixture(scope="module")
 def exp():
-    spec = importlib.util.spec_from_file_location("code_learning", ROOT / "experiments" / "code_learning.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
+    yield from experiment_module("code_learning")
 
 
 def test_selection_keeps_problems_whose_sampled_rewards_differ(exp):

@@ -3,23 +3,16 @@ into a valid config on the easy dataset, and the report and its README headline 
 dirs right (seconds; no model)."""
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import experiment_module
 
 
 @pytest.fixture(scope="module")
 def exp():
-    spec = importlib.util.spec_from_file_location("easy_learning", ROOT / "experiments" / "easy_learning.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
+    yield from experiment_module("easy_learning")
 
 
 def test_every_variant_composes_on_the_easy_splits_with_the_methods_budget(exp, tmp_path):
