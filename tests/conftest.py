@@ -2,13 +2,6 @@
 from __future__ import annotations
 
 import importlib.util
-import os
-
-# One intra-op thread per test process (and the processes it starts: train.py runs, torchrun, engines).
-# The tiny model gains nothing from a second thread, and where anything else runs beside it (a sandbox,
-# a second torchrun rank, another job on the 2-core box) spinning OpenMP threads made a 20 s learning
-# test take 60-330 s (measured 2026-11-25: 40 s with one thread vs 64-212 s with two, under load).
-os.environ.setdefault("OMP_NUM_THREADS", "1")
 import socket
 import sys
 import threading
@@ -16,9 +9,7 @@ import traceback
 from pathlib import Path
 
 import pytest
-import torch
 
-torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # in case torch was imported before this file
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # `tests.feedback_probe` and train.py's packages import from the root
     sys.path.insert(0, str(ROOT))
