@@ -58,8 +58,8 @@ class Recorder:
 
         recorder, real_rows, real_step = self, HFBackend._generate_rows, AgentUpdater.step
 
-        def generate_rows(backend, requests, rows, keys, prompt_ids, params):
-            completions = real_rows(backend, requests, rows, keys, prompt_ids, params)
+        def generate_rows(backend, requests, rows, keys, prompt_ids, params, *args, **kwargs):
+            completions = real_rows(backend, requests, rows, keys, prompt_ids, params, *args, **kwargs)
             if not recorder.collecting:
                 return completions
             agent = backend.agents[requests[rows[0]].agent]
