@@ -93,27 +93,62 @@ def pack(samples: list[TrainSample], pad_id: int) -> PackedBatch:
     )
 
 
+# Model types whose logits are exactly lm_head(last hidden state): for them the update runs the head
+# on the model's own tokens only. Others (Gemma's soft-capping, Cohere's logit scale, Granite's
+# scaling, remote code) go through the model's whole forward, whose logits include such transforms.
+PLAIN_HEAD_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "smollm3"})
+
+
+def _decoder_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module] | None:
+    """(decoder, lm_head) when the model's logits are lm_head(decoder's last hidden state), else None.
+    `model` may be a peft model: its LoRA layers sit inside the decoder, so both paths train them."""
+    config = getattr(model, "config", None)
+    if getattr(config, "model_type", None) not in PLAIN_HEAD_TYPES or not hasattr(model, "get_decoder"):
+        return None
+    head = model.get_output_embeddings()
+    return (model.get_decoder(), head) if head is not None else None
+
+
 def forward_logprobs(model: torch.nn.Module, batch: PackedBatch, temperature: float = 1.0, with_entropy: bool = False,
                      entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(R, C) log p(completion token t | prompt, tokens < t) under the sampling temperature (logits /
     temperature, as the tokens were drawn; TRL and verl score the same way); read with
-    batch.target_mask. Logits are computed for completion positions only: long prompts cost no
-    lm_head work. With `with_entropy`, also the (R, C) policy entropy per position (with its gradient
+    batch.target_mask, and 0 where it is False. Logits, log-softmax and entropy are computed at the
+    model's own tokens only: prompts, padding and inserted tokens (a tool's output) cost no lm_head or
+    softmax work. With `with_entropy`, also the (R, C) policy entropy per position (with its gradient
     when entropy_grad: the entropy bonus)."""
-    out = model(input_ids=batch.prompt_ids, attention_mask=batch.prompt_mask,
-                position_ids=(batch.prompt_mask.cumsum(-1) - 1).clamp(min=0), use_cache=True, logits_to_keep=1)
-    logits = out.logits[batch.expand]  # (R, 1, V): predicts completion token 0
-    if batch.inputs.shape[1] > 0:
-        cache_key = cache_keyword(model)
-        cache = out[cache_key]
-        cache.batch_select_indices(batch.expand)  # differentiable gather: rows share their prompt's KV
-        rest = model(input_ids=batch.inputs, attention_mask=batch.attention, position_ids=batch.positions,
-                     use_cache=True, **{cache_key: cache}).logits
-        logits = torch.cat([logits, rest], dim=1)
+    split = _decoder_and_head(model)
+    keep = batch.target_mask
+    if split is None:  # the model's whole forward, logits at every completion position
+        logits = _completion_outputs(model, batch, "logits", logits_to_keep=1)[keep]
+    else:
+        decoder, head = split
+        logits = head(_completion_outputs(decoder, batch, "last_hidden_state")[keep])  # (N, V): model tokens only
     if temperature != 1.0:
         logits = logits.float() / temperature
-    entropy = token_entropy(logits if entropy_grad else logits.detach()) if with_entropy else None
-    return gather_logprobs(logits, batch.targets), entropy
+    picked = gather_logprobs(logits, batch.targets[keep])
+    logp = picked.new_zeros(keep.shape).masked_scatter(keep, picked)
+    if not with_entropy:
+        return logp, None
+    entropy = token_entropy(logits if entropy_grad else logits.detach())
+    return logp, entropy.new_zeros(keep.shape).masked_scatter(keep, entropy)
+
+
+def _completion_outputs(model: torch.nn.Module, batch: PackedBatch, field: str, **kwargs) -> torch.Tensor:
+    """(R, C, ...) the `field` output of `model` at the positions that predict completion tokens 0..C-1:
+    each distinct prompt is run once (its last position predicts token 0), then the rows' completions
+    run on their prompt's KV cache."""
+    out = model(input_ids=batch.prompt_ids, attention_mask=batch.prompt_mask,
+                position_ids=(batch.prompt_mask.cumsum(-1) - 1).clamp(min=0), use_cache=True, **kwargs)
+    first = out[field][:, -1:][batch.expand]  # (R, 1, ...): predicts completion token 0
+    if batch.inputs.shape[1] == 0:
+        return first
+    cache_key = cache_keyword(model)
+    cache = out[cache_key]
+    cache.batch_select_indices(batch.expand)  # differentiable gather: rows share their prompt's KV
+    rest = model(input_ids=batch.inputs, attention_mask=batch.attention, position_ids=batch.positions,
+                 use_cache=True, **{cache_key: cache})[field]
+    return torch.cat([first, rest], dim=1)
 
 
 def micro_batches(samples: list[TrainSample], rows: list[int], size: int) -> list[list[int]]:
