@@ -65,8 +65,11 @@ class Sizes:
 
 # The closing fence of the first code block ends a reply (the opening ```python line does not match):
 # without it SmolLM2 writes prose after its code until max_new_tokens (docs/backends.md, Stop strings).
-FULL = Sizes("smollm2-135m", steps=24, batch_size=1, k=4, max_new_tokens=128, lr=3e-4, eval_problems=40,
-             eval_samples=1, eval_every=8, seeds={METHOD: (0, 1, 2), "single_agent": (0, 1, 2), "one_turn": (0,)},
+# Sized so that all 7 runs take about 2 hours of the 2-core CPU as two 1-thread queues side by side
+# (docs/easy_learning_results.md): held-out evaluation is greedy only, before and after training,
+# because one greedy pass over 20 problems of the method costs about as much as two training steps.
+FULL = Sizes("smollm2-135m", steps=8, batch_size=1, k=4, max_new_tokens=128, lr=3e-4, eval_problems=20,
+             eval_samples=0, eval_every=0, seeds={METHOD: (0, 1, 2), "single_agent": (0, 1, 2), "one_turn": (0,)},
              stop=("\n```\n",))
 SMOKE = Sizes("tiny", steps=1, batch_size=1, k=2, max_new_tokens=16, lr=1e-4, eval_problems=2, eval_samples=2,
               eval_every=0, seeds={METHOD: (0,), "single_agent": (0,), "one_turn": (0,)}, temperature=1.0, top_p=1.0)
@@ -92,6 +95,8 @@ def overrides(name: str, seed: int, sizes: Sizes, run_dir: Path) -> list[str]:
 
 def run(sizes: Sizes, out: Path, variants: Sequence[str]) -> list[Path]:
     """Every (variant, seed) run not finished yet; finished runs are kept (same settings checked)."""
+    import torch
+
     from magrpo.cli import main as train_main
     from magrpo.tree import tree_size
 
@@ -105,6 +110,7 @@ def run(sizes: Sizes, out: Path, variants: Sequence[str]) -> list[Path]:
         argv = overrides(name, seed, sizes, run_dir)
         per_step = tree_size("align", sizes.k, v.agents, v.turns)[1] * shared.batch_size(v, sizes)
         info = {"variant": name, "seed": seed, **asdict(v), "completions_per_step": per_step,
+                "torch_threads": torch.get_num_threads(),
                 "sizes": asdict(sizes), "overrides": argv}
         if shared.finished(run_dir, sizes.steps):
             check_same_overrides(run_dir, argv)
@@ -224,6 +230,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=None, help=f"training steps (default {FULL.steps})")
     parser.add_argument("--eval-every", type=int, default=None, help=f"default {FULL.eval_every}")
     parser.add_argument("--lr", type=float, default=None, help=f"default {FULL.lr}")
+    parser.add_argument("--eval-problems", type=int, default=None,
+                        help=f"first this many held-out problems (default {FULL.eval_problems}; 0 = all)")
+    parser.add_argument("--eval-samples", type=int, default=None,
+                        help=f"sampled eval paths per problem beside the greedy one (default {FULL.eval_samples})")
     parser.add_argument("--seeds", type=int, default=None, help="run seeds 0..N-1 of every variant (default: "
                         + ", ".join(f"{n} {len(s)}" for n, s in FULL.seeds.items()) + ")")
     parser.add_argument("--device", default=None, help="model.device (default auto)")
@@ -232,7 +242,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     sizes = SMOKE if args.smoke else FULL
     for field, value in (("steps", args.steps), ("eval_every", args.eval_every), ("lr", args.lr),
-                         ("device", args.device)):
+                         ("device", args.device), ("eval_problems", args.eval_problems),
+                         ("eval_samples", args.eval_samples)):
         if value is not None:
             sizes = replace(sizes, **{field: value})
     if args.seeds is not None:
