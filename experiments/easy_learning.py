@@ -236,6 +236,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help=f"sampled eval paths per problem beside the greedy one (default {FULL.eval_samples})")
     parser.add_argument("--seeds", type=int, default=None, help="run seeds 0..N-1 of every variant (default: "
                         + ", ".join(f"{n} {len(s)}" for n, s in FULL.seeds.items()) + ")")
+    parser.add_argument("--seed", type=int, action="append", default=None,
+                        help="run only this seed of each variant's seeds (repeatable): e.g. a third process "
+                             "on a third core")
     parser.add_argument("--device", default=None, help="model.device (default auto)")
     parser.add_argument("--doc", type=Path, default=None, help="results Markdown (default OUT/results.md)")
     parser.add_argument("--image", type=Path, default=None, help="plot PNG (default OUT/results.png)")
@@ -248,6 +251,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             sizes = replace(sizes, **{field: value})
     if args.seeds is not None:
         sizes = replace(sizes, seeds={name: tuple(range(args.seeds)) for name in sizes.seeds})
+    if args.seed is not None:
+        sizes = replace(sizes, seeds={name: tuple(x for x in seeds if x in args.seed)
+                                      for name, seeds in sizes.seeds.items()})
     out = args.out or ROOT / "experiments" / "out" / ("easy_learning_smoke" if args.smoke else "easy_learning")
     from magrpo import envs, external  # noqa: F401  (fills the env and feedback registries)
 
