@@ -55,6 +55,7 @@ class Sizes:
     checkpoint_every: int = 5
     temperature: float = 0.7
     top_p: float = 0.9
+    micro_batch_size: int = 0  # trainer.micro_batch_size (0: the trainer's default); less memory, the same update
 
     @property
     def runs(self) -> list[tuple[str, int]]:
@@ -79,6 +80,7 @@ def overrides(name: str, seed: int, sizes: Sizes, run_dir: Path) -> list[str]:
     """The `train.py` settings of one run: the results page prints them, so every variant's exact config is there."""
     v = shared.VARIANTS[name]
     stop = [f"generation.stop={json.dumps(list(sizes.stop))}"] if sizes.stop else []
+    stop += [f"trainer.micro_batch_size={sizes.micro_batch_size}"] if sizes.micro_batch_size else []
     return [
         f"model={sizes.model}", f"model.device={sizes.device}", f"external={v.feedback}", "env=code",
         "env.dataset=easy", "env.train_split=train", "env.eval_split=heldout", f"env.num_agents={v.agents}",
@@ -239,6 +241,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, action="append", default=None,
                         help="run only this seed of each variant's seeds (repeatable): e.g. a third process "
                              "on a third core")
+    parser.add_argument("--micro-batch-size", type=int, default=None,
+                        help="trainer.micro_batch_size (default: the trainer's, 32): smaller needs less memory "
+                             "for the same update (SmolLM2's update at 32 rows peaks at ~10-15 GB)")
     parser.add_argument("--device", default=None, help="model.device (default auto)")
     parser.add_argument("--doc", type=Path, default=None, help="results Markdown (default OUT/results.md)")
     parser.add_argument("--image", type=Path, default=None, help="plot PNG (default OUT/results.png)")
@@ -246,7 +251,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sizes = SMOKE if args.smoke else FULL
     for field, value in (("steps", args.steps), ("eval_every", args.eval_every), ("lr", args.lr),
                          ("device", args.device), ("eval_problems", args.eval_problems),
-                         ("eval_samples", args.eval_samples)):
+                         ("eval_samples", args.eval_samples), ("micro_batch_size", args.micro_batch_size)):
         if value is not None:
             sizes = replace(sizes, **{field: value})
     if args.seeds is not None:
