@@ -130,15 +130,21 @@ def run(sizes: Sizes, out: Path, variants: Sequence[str]) -> list[Path]:
     return dirs
 
 
+# Settings that change memory and speed but not the update (micro-batches accumulate one gradient):
+# a run kept from a call with another value still counts.
+SAME_UPDATE = ("trainer.micro_batch_size=",)
+
+
 def check_same_overrides(run_dir: Path, argv: Sequence[str]) -> None:
     """A finished run kept from an earlier call must have had these settings: the ones its
     experiment.json recorded, else (stopped before writing it) those config.json shows."""
     record = run_dir / "experiment.json"
     kept = json.loads(record.read_text()).get("overrides") if record.is_file() else None
+    argv = [a for a in argv if not a.startswith(SAME_UPDATE)]
     if kept is None:  # the config check decodes JSON values, and config.json keeps stop strings as typed
         shared.check_same_settings(run_dir, [a for a in argv if not a.startswith("generation.stop=")])
         return
-    differ = sorted(set(kept) ^ set(argv))
+    differ = sorted(set(a for a in kept if not a.startswith(SAME_UPDATE)) ^ set(argv))
     if differ:
         raise SystemExit(f"run: {run_dir} finished with other settings ({', '.join(differ[:4])}); "
                          f"pass another --out (or the options that run had)")

@@ -73,3 +73,15 @@ def test_headline_says_when_the_rise_is_within_the_seed_spread(exp, tmp_path):
     headline = exp.headline(exp.shared.load_runs(tmp_path))
     assert "not larger than its seed spread" in headline and "best baseline" not in headline
     assert exp.headline({}) == "No finished run of the method (level_feedback) yet."
+
+
+def test_a_kept_run_counts_whatever_its_micro_batch_but_not_with_other_settings(exp, tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    kept = exp.overrides("level_feedback", 0, exp.FULL, run)
+    (run / "experiment.json").write_text(json.dumps({"overrides": kept}))
+    smaller = exp.overrides("level_feedback", 0, exp.replace(exp.FULL, micro_batch_size=8), run)
+    assert "trainer.micro_batch_size=8" in smaller
+    exp.check_same_overrides(run, smaller)  # the same update, in less memory
+    with pytest.raises(SystemExit, match="trainer.lr"):
+        exp.check_same_overrides(run, exp.overrides("level_feedback", 0, exp.replace(exp.FULL, lr=1e-3), run))
