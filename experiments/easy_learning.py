@@ -176,8 +176,10 @@ def headline(runs: dict[str, dict[int, tuple[list[dict], dict]]]) -> str:
     # a rise "beyond the seed spread": the mean change exceeds the sd of the changes (needs 2+ seeds)
     beats = len(changes) > 1 and statistics.mean(changes) > statistics.stdev(changes)
     baselines = {name: sum(s) / len(s) for name in runs if name != METHOD and (s := scores(name, "after"))}
+    problems = next(iter(runs[METHOD].values()))[1].get("sizes", {}).get("eval_problems")
+    on = f" on {problems} held-out problems" if problems else ""  # 0.05 is one problem of 20: say so
     text = (f"Held-out greedy pass@1 of SmolLM2-135M with MAGRPO-MT (2 agents, 2 turns, level_feedback) on "
-            f"env.dataset=easy: {shared.mean_sd(before)} before -> {shared.mean_sd(after)} after "
+            f"env.dataset=easy{on}: {shared.mean_sd(before)} before -> {shared.mean_sd(after)} after "
             f"({len(after)} seed(s); change {shared.mean_sd(changes)}, "
             f"{'larger' if beats else 'not larger'} than its seed spread)")
     if baselines:
