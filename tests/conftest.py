@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import socket
 import sys
 import threading
@@ -9,6 +10,14 @@ import traceback
 from pathlib import Path
 
 import pytest
+import torch
+
+# Under pytest-xdist (.ci/run: one worker per core) each worker, and every process it starts, gets one
+# intra-op thread: the workers fill the cores, and two spinning OpenMP threads per process fighting
+# for them made a 20 s learning test take up to 330 s (docs/benchmarks.md, "The test suite").
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # `tests.feedback_probe` and train.py's packages import from the root

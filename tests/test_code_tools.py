@@ -23,6 +23,9 @@ from magrpo.tool_state import ToolContext
 from magrpo.tools import ToolCall, execute_calls, resolve
 from tests import hostile
 
+# It counts the host's processes, /tmp entries or SysV objects: it runs alone (.ci/run, docs/testing.md).
+pytestmark = pytest.mark.alone
+
 CHECKOUT = Path(__file__).resolve().parent.parent
 HIDDEN = ("1.33", "123.456")  # HumanEval/2's hidden cases; its docstring shows only truncate_number(3.5) == 0.5
 RIGHT = "def truncate_number(number: float) -> float:\n    return number % 1.0\n"

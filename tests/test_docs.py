@@ -83,7 +83,8 @@ def test_readme_starts_with_the_run_and_the_test_command():
     assert first_block[0].startswith("bash scripts/setup.sh && .venv/bin/python train.py ")
     assert first_block[1].startswith("bash .ci/run ")
     ci = (ROOT / ".ci" / "run").read_text()
-    assert '-m pytest -q -p no:cacheprovider "$@"' in ci  # .ci/run is the test command
+    assert "-m pytest -q -p no:cacheprovider" in ci and '"$@"' in ci  # .ci/run is the test command
+    assert '-m "not alone"' in ci and "-m alone" in ci  # the parallel part, then what must run alone
 
 
 def documented_train_commands() -> list[tuple[str, list[str]]]:

@@ -14,6 +14,9 @@ from magrpo.config import McpServerConfig, TrainConfig
 from magrpo.errors import ConfigError
 from magrpo.tools import Tool, ToolCall, execute_calls
 
+# It counts the host's processes, /tmp entries or SysV objects: it runs alone (.ci/run, docs/testing.md).
+pytestmark = pytest.mark.alone
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

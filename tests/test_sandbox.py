@@ -19,6 +19,9 @@ from magrpo.envs.code.sandbox import run_many, run_program
 from tests import hostile
 from tests.hostile import CASES, FAST, prog
 
+# It counts the host's processes, /tmp entries or SysV objects: it runs alone (.ci/run, docs/testing.md).
+pytestmark = pytest.mark.alone
+
 ROOT = os.geteuid() == 0
 CHECKOUT = Path(__file__).resolve().parent.parent
 
