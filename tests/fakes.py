@@ -174,6 +174,20 @@ def tiny_qwen2(vocab_size: int, num_hidden_layers: int, seed: int = 0):
                                         num_attention_heads=2, num_key_value_heads=1, intermediate_size=32))
 
 
+def lora_tiny_qwen2():
+    """tiny_qwen2 (vocab 32, 2 layers) wrapped with a LoRA on every linear layer as load_agents wraps its
+    models, non-zero from the start (init_lora_weights=False), in train mode: the update's test model."""
+    from peft import LoraConfig, get_peft_model
+
+    from magrpo.models import peft_deprecation_silenced
+
+    lora = LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False)
+    with peft_deprecation_silenced():
+        model = get_peft_model(tiny_qwen2(vocab_size=32, num_hidden_layers=2), lora)
+    model.train()
+    return model
+
+
 class ToolScriptBackend:
     """Character-level (a token is `ord(c)`): a request whose turn so far holds i tool responses gets
     `replies[min(i, last)]`, cut at `params.stop` (kept, no EOS), at the request's own `stop` (kept,

@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
 
 from magrpo import update
-from magrpo.models import peft_deprecation_silenced
 from magrpo.update import TrainSample, forward_logprobs, pack
-from tests.fakes import tiny_qwen2
+from tests.fakes import lora_tiny_qwen2
 
 PAD = 0
 P1, P2 = [5, 6, 7, 8], [9, 10]
@@ -25,11 +23,7 @@ SAMPLES = [  # other lengths (padding) and inserted tokens (model_mask False) in
 
 @pytest.fixture(scope="module")
 def model():
-    lora = LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False)
-    with peft_deprecation_silenced():  # as load_agents wraps its models
-        m = get_peft_model(tiny_qwen2(vocab_size=32, num_hidden_layers=2), lora)
-    m.train()
-    return m
+    return lora_tiny_qwen2()
 
 
 def run(model, batch):
