@@ -136,7 +136,8 @@ class TrainerConfig:
     max_grad_norm: float = 1.0
     """Clip each agent's gradient norm; 0 = no clipping."""
     micro_batch_size: int = 32
-    """Sequences per forward/backward; gradients accumulate over micro-batches."""
+    """Sequences per forward/backward; gradients accumulate over micro-batches (the same update at any
+    size). Sets the update's memory: on a CPU a SmolLM2-135M code-env run at 32 grew to ~13 GB, at 8 ~7 GB."""
     ppo_epochs: int = 1
     """Optimizer steps per rollout batch; > 1 uses the clipped ratio against the first pass's log-probs."""
     clip_eps: float = 0.2
