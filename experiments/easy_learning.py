@@ -79,15 +79,15 @@ SMOKE = Sizes("tiny", steps=1, batch_size=1, k=2, max_new_tokens=16, lr=1e-4, ev
 def overrides(name: str, seed: int, sizes: Sizes, run_dir: Path) -> list[str]:
     """The `train.py` settings of one run: the results page prints them, so every variant's exact config is there."""
     v = shared.VARIANTS[name]
-    stop = [f"generation.stop={json.dumps(list(sizes.stop))}"] if sizes.stop else []
-    stop += [f"trainer.micro_batch_size={sizes.micro_batch_size}"] if sizes.micro_batch_size else []
+    optional = [f"generation.stop={json.dumps(list(sizes.stop))}"] if sizes.stop else []
+    optional += [f"trainer.micro_batch_size={sizes.micro_batch_size}"] if sizes.micro_batch_size else []
     return [
         f"model={sizes.model}", f"model.device={sizes.device}", f"external={v.feedback}", "env=code",
         "env.dataset=easy", "env.train_split=train", "env.eval_split=heldout", f"env.num_agents={v.agents}",
         f"trainer.num_turns={v.turns}", f"trainer.num_generations={sizes.k}",
         f"trainer.batch_size={shared.batch_size(v, sizes)}", f"trainer.steps={sizes.steps}", f"trainer.lr={sizes.lr}",
         f"trainer.seed={seed}", f"generation.max_new_tokens={sizes.max_new_tokens}",
-        f"generation.temperature={sizes.temperature}", f"generation.top_p={sizes.top_p}", *stop,
+        f"generation.temperature={sizes.temperature}", f"generation.top_p={sizes.top_p}", *optional,
         "eval.at_start=true", "eval.at_end=true", f"eval.every={sizes.eval_every}",
         f"eval.max_problems={sizes.eval_problems}", f"eval.num_samples={sizes.eval_samples}",
         f"logging.run_dir='{run_dir}'", "logging.wandb.mode=disabled", "logging.samples_every=0", "resume=auto",

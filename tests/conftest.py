@@ -14,7 +14,7 @@ import torch
 
 # Under pytest-xdist (.ci/run: one worker per core) each worker, and every process it starts, gets one
 # intra-op thread: the workers fill the cores, and two spinning OpenMP threads per process fighting
-# for them made a 20 s learning test take up to 330 s (docs/benchmarks.md, "The test suite").
+# for them made a 20 s learning test take up to 330 s (docs/benchmarks.md, "Test suite").
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
