@@ -98,9 +98,14 @@ def test_a_stop_string_and_a_tool_call_marker_the_first_in_the_text_wins(backend
 def pieces_tokenizer(pieces: dict[int, str]):
     """A tokenizer whose token i reads pieces[i]: tokens that carry several characters."""
     class Tokenizer:
-        @staticmethod
-        def decode(ids, **_):
+        decoded_rows = 0  # rows of batch_decode calls (what the stop check costs)
+
+        def decode(self, ids, **_):
             return "".join(pieces[i] for i in ids)
+
+        def batch_decode(self, rows, **_):
+            self.decoded_rows += len(rows)
+            return [self.decode(ids) for ids in rows]
 
     return Tokenizer()
 
@@ -120,6 +125,65 @@ def test_a_stop_string_in_the_eos_tokens_own_text_does_not_count():
     tok = pieces_tokenizer({1: "x", 9: "<|end|>"})
     assert cut_at_end(tok, [1, 9], {9}, ("<|",), ()) == ([1, 9], True)
     assert cut_at_end(tok, [1, 1], {9}, ("<|",), ()) == ([1, 1], False)  # cut at max_new_tokens
+
+
+def test_the_stop_check_decodes_only_rows_whose_newest_token_can_complete_a_stop_string():
+    import torch
+
+    from magrpo.backends.hf import stopped_rows
+
+    tok = pieces_tokenizer({1: "x", 2: "</c", 3: ">y", 4: "  "})
+    new = torch.tensor([[1, 2, 3], [2, 1, 1], [3, 3, 2]])
+    assert stopped_rows(tok, [("</c>",)] * 3, torch.arange(3), new).tolist() == [True, False, False]
+    assert tok.decoded_rows == 1  # only row 0 ends in a token holding ">"
+    assert stopped_rows(tok, [("c  ",)] * 3, torch.arange(3), torch.tensor([[2, 4], [1, 4], [1, 1]])).tolist() == [
+        True, False, False]
+    assert tok.decoded_rows == 4  # a stop string ending in whitespace: every row is decoded
+
+
+def brute_stopped(tok, stops, new) -> list[bool]:
+    """The stop check without any shortcut: decode every row's tail."""
+    window = max(len(s) for row in stops for s in row) + 1
+    return [any(s in tok.decode(ids[-window:]) for s in row) for row, ids in zip(stops, new.tolist())]
+
+
+def brute_position(tok, stop, ids):
+    window = max(len(s) for s in stop) + 1
+    return next((t + 1 for t in range(len(ids)) if any(s in tok.decode(ids[max(0, t + 1 - window): t + 1])
+                                                      for s in stop)), None)
+
+
+def test_the_stop_checks_shortcuts_agree_with_decoding_every_tail_on_a_real_tokenizer():
+    """Random token strings of the tiny model's byte-level tokenizer (split characters, special tokens,
+    whitespace): every row stops at the same step, and is cut at the same token, as without shortcuts."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from magrpo.backends.hf import stop_position, stopped_rows
+    from magrpo.tiny import TinySpec, tiny_model_path
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_path(TinySpec()))
+    gen = torch.Generator().manual_seed(0)
+    snippets = [tok.encode(text) for text in (")", "\n\n", " é", "</tool_call>", " x = 1")]  # é: two byte tokens
+    rows = []
+    for _ in range(48):  # random tokens with whole snippets between, so that stop strings occur
+        row = torch.randint(0, len(tok), (20,), generator=gen).tolist()
+        for at in sorted(torch.randint(0, 16, (4,), generator=gen).tolist(), reverse=True):
+            row[at:at] = snippets[int(torch.randint(0, len(snippets), (1,), generator=gen))]
+        rows.append(row[:20])
+    new = torch.tensor(rows)
+    written = [tok.decode(new[r, 10:12].tolist()) for r in range(6)]
+    stops = [(")",), ("</tool_call>",), ("\n\n",), ("é",), (written[0], "x"), (written[1],)] * 8
+    first, expected = [None] * 48, [None] * 48  # per row, the step at which it stops (the decode loop's use)
+    for step in range(1, new.shape[1] + 1):
+        for r, (got, want) in enumerate(zip(stopped_rows(tok, stops, torch.arange(48), new[:, :step]).tolist(),
+                                            brute_stopped(tok, stops, new[:, :step]))):
+            first[r] = first[r] or (step if got else None)
+            expected[r] = expected[r] or (step if want else None)
+    assert first == expected
+    assert sum(step is not None for step in expected) >= 12  # the stop strings do occur
+    for stop, ids in zip(stops, new.tolist()):
+        assert stop_position(tok, stop, ids) == brute_position(tok, stop, ids)
 
 
 # --- the tool loop: an agent's stop string ends the turn, a call's end pauses it ---------------------

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from contextlib import contextmanager
-from functools import partial
+from functools import lru_cache, partial
 from typing import Callable, Iterator, NamedTuple, Sequence
 
 import torch
@@ -157,18 +157,44 @@ def stop_window(stop: Sequence[str]) -> int:
 
 def stopped_rows(tokenizer, stops: Sequence[Sequence[str]], rows: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     """(rows,) bool: batch row rows[i], whose tokens so far are new[i], ends in one of its stop strings
-    `stops[rows[i]]` (checking the last few tokens each step finds the first one)."""
+    `stops[rows[i]]` (checking the last few tokens each step finds the first one). Only rows whose
+    newest token can complete one are decoded (`may_complete`): decoding every row's tail at every
+    step was most of a tool turn's stop-string cost."""
     rows = rows.tolist()
     window = max((stop_window(stops[r]) for r in rows if stops[r]), default=0)
+    out = torch.zeros(len(rows), dtype=torch.bool)
     if not window:
-        return torch.zeros(len(rows), dtype=torch.bool)
-    tails = tokenizer.batch_decode(new[:, -window:].tolist())
-    return torch.tensor([any(s in text for s in stops[r]) for r, text in zip(rows, tails)], dtype=torch.bool)
+        return out
+    check = may_complete(tokenizer, [s for r in set(rows) for s in stops[r]], new[:, -1].tolist())
+    if check:
+        tails = tokenizer.batch_decode(new[check, -window:].tolist())
+        out[check] = torch.tensor([any(s in text for s in stops[rows[i]]) for i, text in zip(check, tails)])
+    return out
+
+
+def may_complete(tokenizer, stop: Sequence[str], newest: list[int]) -> list[int]:
+    """Indices i of the tokens `newest[i]` that can complete one of `stop`. A stop string that ends in
+    a printable ASCII character c first shows up in a tail's text at a token whose own text holds c
+    (byte-level and SentencePiece tokenizers alike: c is one byte, in that token); one that ends in
+    anything else (whitespace, which a lone token may decode without; a multi-byte character, split
+    over tokens) can be completed by any token."""
+    ends = {s[-1] for s in stop if s}
+    if not all(c.isascii() and c.isprintable() and not c.isspace() for c in ends):
+        return list(range(len(newest)))
+    return [i for i, token in enumerate(newest) if any(c in token_text(tokenizer, token) for c in ends)]
+
+
+@lru_cache(maxsize=1 << 16)
+def token_text(tokenizer, token: int) -> str:
+    """One token's text on its own (special tokens included, as the tail decode sees them)."""
+    return tokenizer.decode([token])
 
 
 def stop_position(tokenizer, stop: Sequence[str], ids: list[int]) -> int | None:
-    """Tokens up to and including the one that completes the first stop string; None: no stop string."""
-    if not stop:
+    """Tokens up to and including the one that completes the first stop string; None: no stop string.
+    A tail's text is part of the whole text (a stop string in one is in the other), so one decode of
+    the whole rules out most rows before the token-by-token search."""
+    if not stop or not any(s in tokenizer.decode(ids) for s in stop):
         return None
     window = stop_window(stop)
     return next((t + 1 for t in range(len(ids))
