@@ -118,3 +118,18 @@ def test_shift_and_scale():
 def test_single_agent_has_no_aux_levels():
     r, parts = score(analyze(None, MAIN_ALONE, "solve"), 4, 4)
     assert parts["aux_defined"] == 0.0 and "aux_used" not in parts and r == pytest.approx(2.1)
+
+
+@pytest.mark.parametrize("cut", ["\n\ndef", "\n\ndef aux2(xs", "\n\nasync def later("])
+def test_a_reply_cut_where_a_second_function_begins_parses_without_its_unfinished_def_line(cut):
+    """What a stop string such as "\\n\\ndef" keeps at the end of a reply is dropped: the reply is
+    the complete code before it, with no syntax error."""
+    from magrpo.envs.code.reward import syntax_error
+
+    for fenced in (False, True):
+        main = ("```python\n" if fenced else "") + MAIN_USES_AUX.strip("`\npython") + cut
+        assert syntax_error(main) is None
+        _, parts = reward(AUX_OK, main, passed=4, total=4)
+        assert parts["syntax"] == 0.5 and parts["aux_used"] == 0.5
+    assert syntax_error(MAIN_ALONE + "\ndefault = 1") is None  # a name that begins with "def" is code
+    assert syntax_error("def solve(xs") is not None  # a reply cut in its only def line stays broken

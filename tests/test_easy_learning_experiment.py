@@ -26,7 +26,7 @@ def test_every_variant_composes_on_the_easy_splits_with_the_methods_budget(exp, 
         v = exp.shared.VARIANTS[name]
         assert (cfg.env["dataset"], cfg.env["train_split"], cfg.env["eval_split"]) == ("easy", "train", "heldout")
         assert (cfg.env["num_agents"], cfg.trainer.num_turns, cfg.trainer.seed) == (v.agents, v.turns, 1)
-        assert StopStrings.of(cfg).of_agent(0) == ("\n```\n",)  # the first code block's closing fence
+        assert StopStrings.of(cfg).of_agent(0) == ("\n```\n", "\n\ndef")  # the first code block or function
         per_step = tree_size("align", sizes.k, v.agents, v.turns)[1] * cfg.trainer.batch_size
         assert per_step >= tree_size("align", sizes.k, 2, 2)[1] * sizes.batch_size, name
 

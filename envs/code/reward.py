@@ -29,6 +29,9 @@ from typing import Sequence
 AUX = "aux"
 USAGES = ("no_aux", "not_called", "ignored", "used")  # worst to best
 FENCE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL)
+# A last line that starts a `def` and never reaches its colon: what a stop string such as "\n\ndef"
+# (end a reply where a second function begins) leaves behind. It is never valid code.
+UNFINISHED_DEF = re.compile(r"\n[ \t]*(?:async[ \t]+)?def\b[^\n:]*\Z")
 
 
 @dataclass(frozen=True)
@@ -96,9 +99,10 @@ class Analysis:
 
 
 def strip_fences(text: str) -> str:
-    """Code inside markdown fences when there are any (models love them), else the text itself."""
+    """Code inside markdown fences when there are any (models love them), else the text itself;
+    without an unfinished `def` line at the end (UNFINISHED_DEF)."""
     blocks = FENCE.findall(text)
-    return "\n".join(blocks) if blocks else text
+    return UNFINISHED_DEF.sub("", "\n".join(blocks) if blocks else text)
 
 
 def syntax_error(text: str) -> str | None:

