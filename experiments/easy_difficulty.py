@@ -49,7 +49,8 @@ def summary(outcomes: list[tuple[dict, dict]]) -> dict:
 
 
 def measure(model: str, problems: int, samples: int, max_new_tokens: int, agents: int, seed: int = 0,
-            start_at: int = 0, out: Path | None = None, stop: tuple[str, ...] = ()) -> dict:
+            start_at: int = 0, out: Path | None = None, stop: tuple[str, ...] = (),
+            templates: tuple[str, ...] = ()) -> dict:
     from magrpo.backends import make_backend
     from magrpo.cli import compose
     from magrpo.evaluation import run_paths
@@ -59,15 +60,21 @@ def measure(model: str, problems: int, samples: int, max_new_tokens: int, agents
     from magrpo.trainer import prepare
 
     cfg = compose([f"model={model}", "env.dataset=easy", f"env.num_agents={agents}", "trainer.num_turns=1",
-                   f"env.train_split='train[:{problems}]'", "env.eval_split=heldout",
+                   f"env.train_split='train{'' if templates else f'[:{problems}]'}'", "env.eval_split=heldout",
                    f"generation.max_new_tokens={max_new_tokens}", "eval.at_end=false",
                    *([f"generation.stop={json.dumps(list(stop))}"] if stop else [])])
     env, feedback = prepare(cfg)
-    chosen = list(env.problems("train"))[start_at:]
+    chosen = list(env.problems("train"))
+    if templates:  # the first `problems` training problems of these templates (e.g. new ones, to tune them)
+        unknown = set(templates) - {p["template"] for p in chosen}
+        if unknown:
+            raise SystemExit(f"--templates: no training problems of {sorted(unknown)}")
+        chosen = [p for p in chosen if p["template"] in templates][:problems]
+    chosen = chosen[start_at:]
     g = cfg.generation
-    settings = {"problems": f"train[{start_at}:{problems}]", "samples": samples, "agents": agents, "model": model,
-                "temperature": g.temperature, "top_p": g.top_p, "max_new_tokens": g.max_new_tokens, "seed": seed,
-                "stop": list(stop)}
+    settings = {"problems": f"train[{start_at}:{problems}]", "templates": list(templates), "samples": samples,
+                "agents": agents, "model": model, "temperature": g.temperature, "top_p": g.top_p,
+                "max_new_tokens": g.max_new_tokens, "seed": seed, "stop": list(stop)}
     sampling = SamplingParams(g.max_new_tokens, g.temperature, g.top_p, g.top_k)
     start = time.perf_counter()
     backend = make_backend(cfg, load_agents(cfg, env.num_agents))
@@ -103,13 +110,15 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--samples", type=int, default=4, help="sampled paths per problem")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--agents", type=int, default=1)
+    parser.add_argument("--templates", nargs="*", default=[], help="only problems of these templates (the first "
+                        "--problems of them in the train split), e.g. to measure new ones")
     parser.add_argument("--stop", nargs="*", default=[], help="generation.stop strings (\\n read as a newline), "
                         "e.g. --stop '\\n```\\n'")
     parser.add_argument("--out", type=Path, default=None, help="write the result here as JSON")
     args = parser.parse_args(argv)
     result = measure(args.model, args.problems, args.samples, args.max_new_tokens, args.agents,
                      start_at=args.start_at, out=args.out,
-                     stop=tuple(unescape(s) for s in args.stop))
+                     stop=tuple(unescape(s) for s in args.stop), templates=tuple(args.templates))
     print(json.dumps(result, indent=1))
     return result
 

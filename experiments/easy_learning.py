@@ -68,12 +68,13 @@ class Sizes:
 # without it SmolLM2 writes prose after its code until max_new_tokens (docs/backends.md, Stop strings).
 # A top-level def after a blank line ends it too: the helper wrote one function after another, unfenced,
 # until the limit (69% of replies cut at step 8 of the first runs); the env drops the kept "def".
-# Sized so that all 9 runs take about 2 hours of the 2-core CPU as two 1-thread queues side by side
-# (docs/easy_learning_results.md): held-out evaluation is greedy only, before and after training,
-# because one greedy pass over 20 problems of the method costs about as much as two training steps.
-FULL = Sizes("smollm2-135m", steps=8, batch_size=1, k=4, max_new_tokens=128, lr=3e-4, eval_problems=20,
-             eval_samples=0, eval_every=0, seeds={METHOD: (0, 1, 2), "single_agent": (0, 1, 2), "one_turn": (0, 1, 2)},
-             stop=("\n```\n", "\n\ndef"))
+# Sized for about 95 minutes of the 2-core CPU as two 1-thread queues side by side (the method's 3 seeds in
+# one, the baselines' in the other; docs/easy_learning_results.md): 12 steps, held-out evaluation greedy
+# and 1 sampled path on 30 problems before training, after step 6 and after step 12. The first runs
+# (8 steps at lr 3e-4) moved only the reward's formatting levels: lr 5e-4 and 12 steps give the LoRA more room.
+FULL = Sizes("smollm2-135m", steps=12, batch_size=1, k=4, max_new_tokens=128, lr=5e-4, eval_problems=30,
+             eval_samples=1, eval_every=6, seeds={METHOD: (0, 1, 2), "single_agent": (0, 1, 2), "one_turn": (0, 1, 2)},
+             stop=("\n```\n", "\n\ndef"), micro_batch_size=8)
 SMOKE = Sizes("tiny", steps=1, batch_size=1, k=2, max_new_tokens=16, lr=1e-4, eval_problems=2, eval_samples=2,
               eval_every=0, seeds={METHOD: (0,), "single_agent": (0,), "one_turn": (0,)}, temperature=1.0, top_p=1.0)
 

@@ -228,6 +228,48 @@ def pair_results(rng: random.Random) -> Spec:
                 f"    return [{expr} for a, b in zip({{nums}}, {{nums}}[1:])]\n", int_lists(rng))
 
 
+# One-comprehension templates (issue 32's tuning, docs/environments.md): with only the templates above the
+# untrained 2-agent team of SmolLM2-135M passed 5% of sampled training paths (13 of 17 measured
+# templates never), and a list comprehension is what it gets right most often (scale_shift, long_words).
+# One-method string templates were tried and dropped: `count_word` passed 0 of 40 paths.
+@template("list", ("add_to_all", "shift_all", "offset_all", "add_constant"), ("{nums}: list[int]",), "list[int]")
+def add_to_all(rng: random.Random) -> Spec:
+    k = rng.choice([k for k in range(-9, 10) if k])
+    expr = f"x + {k}" if k > 0 else f"x - {-k}"
+    return Spec((k,), f"Return a list with {k} added to each number of {{nums}}." if k > 0 else
+                f"Return a list with {-k} subtracted from each number of {{nums}}.",
+                f"    return [{expr} for x in {{nums}}]\n", int_lists(rng))
+
+
+@template("list", ("keep_above", "only_above", "select_above", "filter_above"), ("{nums}: list[int]",), "list[int]")
+def keep_above(rng: random.Random) -> Spec:
+    t = rng.randint(-3, 12)
+    return Spec((t,), f"Return the numbers of {{nums}} that are greater than {t}, in order.",
+                f"    return [x for x in {{nums}} if x > {t}]\n", int_lists(rng) + [([t - 1, t, t + 1],)])
+
+
+@template("list", ("keep_multiples", "only_multiples", "select_multiples", "multiples_of"), ("{nums}: list[int]",),
+          "list[int]")
+def keep_multiples(rng: random.Random) -> Spec:
+    k = rng.randint(2, 9)
+    return Spec((k,), f"Return the numbers of {{nums}} that are divisible by {k}, in order.",
+                f"    return [x for x in {{nums}} if x % {k} == 0]\n", int_lists(rng) + [([*range(1, 11)],)])
+
+
+@template("list", ("total_times", "scaled_sum", "sum_times", "times_total"), ("{nums}: list[int]",), "int")
+def total_times(rng: random.Random) -> Spec:
+    k = rng.choice([-3, -2, 2, 3, 4, 5, 6, 7, 10])
+    return Spec((k,), f"Return the sum of the numbers in {{nums}}, times {k}.",
+                f"    return sum({{nums}}) * {k}\n", int_lists(rng))
+
+
+@template("list", ("power_all", "raise_all", "powers_of", "exponentiate"), ("{nums}: list[int]",), "list[int]")
+def power_all(rng: random.Random) -> Spec:
+    p = rng.randint(2, 5)
+    return Spec((p,), f"Return a list with each number x of {{nums}} replaced by x ** {p}.",
+                f"    return [x ** {p} for x in {{nums}}]\n", int_lists(rng, -4, 9))
+
+
 @template("list", ("product_above", "multiply_large", "product_of_large", "large_product"),
           ("{nums}: list[int]",), "int", heldout=True)
 def product_above(rng: random.Random) -> Spec:
