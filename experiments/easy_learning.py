@@ -46,7 +46,7 @@ class Sizes:
     k: int  # trainer.num_generations
     max_new_tokens: int
     lr: float
-    eval_problems: int  # first this many held-out problems (0 = all 95)
+    eval_problems: int  # first this many held-out problems (0 = all 104)
     eval_samples: int  # sampled eval paths per problem (pass@1 sampled); a greedy path always runs
     eval_every: int  # also evaluate after every this many steps (0 = before the first and after the last)
     seeds: dict[str, tuple[int, ...]]  # variant -> seeds
