@@ -25,7 +25,6 @@ import sys
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -104,9 +103,11 @@ def run(sizes: Sizes, out: Path, variants: Sequence[str]) -> list[Path]:
     import torch
 
     from magrpo.cli import main as train_main
-    from magrpo.models import model_dtype
+    from magrpo.models import device_facts, pick_device, resolve_dtype
     from magrpo.tree import tree_size
 
+    # model.dtype=auto differs by CPU (bfloat16 with AMX, else float32): each record says what it was
+    dtype = resolve_dtype("auto", device_facts(pick_device(sizes.device)))[0]
     dirs = []
     for name, seed in sizes.runs:
         if name not in variants:
@@ -117,8 +118,7 @@ def run(sizes: Sizes, out: Path, variants: Sequence[str]) -> list[Path]:
         argv = overrides(name, seed, sizes, run_dir)
         per_step = tree_size("align", sizes.k, v.agents, v.turns)[1] * shared.batch_size(v, sizes)
         info = {"variant": name, "seed": seed, **asdict(v), "completions_per_step": per_step,
-                "torch_threads": torch.get_num_threads(), "dtype": model_dtype(SimpleNamespace(
-                    dtype="auto", device=sizes.device))[0],  # model.dtype=auto differs by CPU: say what it was
+                "torch_threads": torch.get_num_threads(), "dtype": dtype,
                 "sizes": asdict(sizes), "overrides": argv}
         if shared.finished(run_dir, sizes.steps):
             check_same_overrides(run_dir, argv)
