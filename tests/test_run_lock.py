@@ -73,19 +73,24 @@ def test_a_run_dir_made_for_a_run_that_stops_before_writing_is_removed(run_cli, 
 @pytest.mark.slow
 def test_a_resume_started_while_the_run_is_live_stops_and_the_run_finishes_alone(tmp_path):
     """The audit's case: a `resume=auto` on a live run dir used to run too, both exiting 0 with their
-    files mixed. Now it stops with one line naming the live run; the live run finishes unmixed."""
+    files mixed. Now it stops with one line naming the live run; the live run finishes unmixed. The
+    live run waits at its first feedback call (tests/gated_feedback.py) until the second has exited:
+    timing alone let a fast machine finish all 4 steps before the second process started."""
     from tests.conftest import ROOT, SMALL
 
-    run_dir = tmp_path / "run"
+    run_dir, gate = tmp_path / "run", tmp_path / "gate"
+    gate.mkdir()
     args = [sys.executable, "train.py", *SMALL, f"logging.run_dir={run_dir}", "trainer.steps=4", "checkpoint.every=1",
-            "generation.max_new_tokens=12"]
-    live = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            "generation.max_new_tokens=12", "external.mode=tests.gated_feedback:gated"]
+    live = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "MAGRPO_TEST_GATE": str(gate)})
     try:
-        while not (run_dir / "metrics.jsonl").is_file():
+        while not (gate / "entered").is_file():
             assert live.poll() is None, live.communicate()[1]
             time.sleep(0.1)
         second = subprocess.run([*args, "resume=auto"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     finally:
+        (gate / "open").touch()
         _, err = live.communicate(timeout=300)
     assert live.returncode == 0, err
     assert second.returncode == 2 and second.stderr.strip().startswith(
