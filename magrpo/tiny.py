@@ -97,7 +97,8 @@ def build_once(final: Path, build: Callable[[Path], None], what: str) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
     try:
         print(f"building {what} {final.name} (once, cached at {final})", file=sys.stderr)
-        build(tmp)
+        with _caller_random_state_kept():
+            build(tmp)
         os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
         try:
             os.rename(tmp, final)
@@ -108,6 +109,25 @@ def build_once(final: Path, build: Callable[[Path], None], what: str) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # no-op after a successful rename
     return final
+
+
+@contextmanager
+def _caller_random_state_kept() -> Iterator[None]:
+    """Builds seed their own generators (torch.manual_seed): without this, a run that found its model
+    missing from the cache trained from another random state (other LoRA initial weights) than the
+    same run with a warm cache."""
+    import random
+
+    import numpy as np
+    import torch
+
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=range(torch.cuda.device_count())):
+        try:
+            yield
+        finally:
+            random.setstate(python_state)
+            np.random.set_state(numpy_state)
 
 
 @contextmanager
