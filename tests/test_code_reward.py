@@ -133,3 +133,18 @@ def test_a_reply_cut_where_a_second_function_begins_parses_without_its_unfinishe
         assert parts["syntax"] == 0.5 and parts["aux_used"] == 0.5
     assert syntax_error(MAIN_ALONE + "\ndefault = 1") is None  # a name that begins with "def" is code
     assert syntax_error("def solve(xs") is not None  # a reply cut in its only def line stays broken
+
+
+def test_the_models_invalid_escapes_neither_warn_nor_change_the_reward():
+    """SmolLM2 writes strings such as "\\ " (an invalid escape): the parser warned once per completion
+    (shown by default from Python 3.12 on), and under `-W error` the completion scored as a syntax error."""
+    import warnings
+
+    from magrpo.envs.code.reward import syntax_error
+
+    main = 'def f(x):\n    return x + "\\ "\n'
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert syntax_error(main) is None
+        analysis = analyze(None, main, "f")
+    assert analysis.parses and analysis.main_defined

@@ -23,6 +23,8 @@ from __future__ import annotations
 import ast
 import re
 import textwrap
+import threading
+import warnings
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -98,6 +100,19 @@ class Analysis:
         return any(h.called for h in self.helpers)
 
 
+_PARSE_LOCK = threading.Lock()  # catch_warnings swaps process-wide state
+
+
+def parse(code: str) -> ast.Module:
+    """ast.parse, silent about the model's code: an invalid escape such as "\\ " in a string warns once
+    per completion (a DeprecationWarning, from Python 3.12 a SyntaxWarning shown by default), and
+    under `-W error` it would raise, making the reward depend on the warnings filter."""
+    with _PARSE_LOCK, warnings.catch_warnings():
+        warnings.simplefilter("ignore", SyntaxWarning)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return ast.parse(code)
+
+
 def strip_fences(text: str) -> str:
     """Code inside markdown fences when there are any (models love them), else the text itself;
     without an unfinished `def` line at the end (UNFINISHED_DEF)."""
@@ -108,7 +123,7 @@ def strip_fences(text: str) -> str:
 def syntax_error(text: str) -> str | None:
     """`line L, column C: message` for a completion (fences stripped) that does not parse, else None."""
     try:
-        ast.parse(strip_fences(text))
+        parse(strip_fences(text))
     except SyntaxError as e:
         return f"line {e.lineno}, column {e.offset}: {e.msg}"
     return None
@@ -129,7 +144,7 @@ def _find(text: str, name: str) -> tuple[ast.FunctionDef | None, str]:
     it was parsed from (its line numbers refer to that code)."""
     code = strip_fences(text)
     try:
-        tree = ast.parse(code)
+        tree = parse(code)
     except (SyntaxError, *TOO_DEEP):
         tree, code = _parse_def_only(code, name)
     if tree is None:
@@ -151,7 +166,7 @@ def _parse_def_only(code: str, name: str) -> tuple[ast.Module | None, str]:
                 end += 1
             cut = "\n".join(line[indent:] for line in lines[i:end])
             try:
-                return ast.parse(cut), cut
+                return parse(cut), cut
             except (SyntaxError, *TOO_DEEP):
                 return None, cut
     return None, code
@@ -216,7 +231,7 @@ def analyze(helpers: Sequence[str] | str | None, main_completion: str, entry_poi
     if main is not None:
         program = "\n\n".join(part for part in (imports.strip(), *sources, main_src) if part)
         try:
-            ast.parse(program)
+            parse(program)
             parses = True
         except (SyntaxError, *TOO_DEEP):
             parses = False
