@@ -32,7 +32,7 @@ import time
 from dataclasses import asdict, dataclass, replace
 from itertools import zip_longest
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # `python experiments/code_learning.py` from a clean clone: this checkout's magrpo
@@ -115,38 +115,15 @@ def choose(rewards: dict[str, list[float]], strict: bool = True) -> list[str]:
 
 def select(sizes: Sizes, out: Path, seed: int = 0) -> dict[str, Any]:
     """Sample the untrained model on the train candidates; write and return the selection."""
-    from magrpo.backends import make_backend
     from magrpo.cli import compose
-    from magrpo.evaluation import run_paths
-    from magrpo.generation import SamplingParams
-    from magrpo.models import load_agents
-    from magrpo.sampling import stream_key
-    from magrpo.trainer import prepare
 
     cfg = compose([f"model={sizes.model}", "env.num_agents=2", "trainer.num_turns=1",
                    f"env.train_split='{TRAIN_SPLIT}'", f"generation.max_new_tokens={sizes.max_new_tokens}",
                    "eval.at_end=false"])
-    env, feedback = prepare(cfg)
-    candidates = list(env.problems("train"))[: sizes.candidates or None]
-    ids = [p["task_id"] for p in candidates]
-    g = cfg.generation
-    sampling = SamplingParams(g.max_new_tokens, g.temperature, g.top_p, g.top_k)
     start = time.perf_counter()
-    backend = make_backend(cfg, load_agents(cfg, env.num_agents))
-    rates: dict[str, float] = {}
-    rewards: dict[str, list[float]] = {}
-    try:
-        for first in range(0, len(candidates), SELECT_CHUNK):  # chunks: a progress line, bounded batches
-            chunk = candidates[first:first + SELECT_CHUNK]
-            repeated = [p for p in chunk for _ in range(sizes.select_samples)]
-            key = stream_key(seed, SELECT_STREAM, first)  # every chunk its own sampling stream
-            paths = run_paths(repeated, env, backend, feedback, 1, sampling, seed=key)[0]
-            rates.update(pass_rates(paths, ids[first:first + SELECT_CHUNK], sizes.select_samples))
-            rewards.update(reward_sets(paths, ids[first:first + SELECT_CHUNK], sizes.select_samples))
-            print(f"select: {len(rates)}/{len(ids)} problems sampled, {len(choose(rewards, sizes.strict))} kept "
-                  f"({time.perf_counter() - start:.0f} s)", file=sys.stderr)
-    finally:
-        backend.close()
+    rates, rewards = sample_candidates(cfg, sizes.candidates, sizes.select_samples, seed,
+                                       lambda _, rewards: len(choose(rewards, sizes.strict)))
+    g = cfg.generation
     selection = {
         "selected": choose(rewards, sizes.strict), "rates": rates, "rewards": rewards, "strict": sizes.strict,
         "model": sizes.model,
@@ -154,8 +131,47 @@ def select(sizes: Sizes, out: Path, seed: int = 0) -> dict[str, Any]:
         "max_new_tokens": g.max_new_tokens, "split": TRAIN_SPLIT, "seed": seed, **_provenance(start),
     }
     save_selection(selection, out)
-    print(f"select: {len(selection['selected'])} of {len(ids)} train problems kept -> {out}", file=sys.stderr)
+    print(f"select: {len(selection['selected'])} of {len(rates)} train problems kept -> {out}", file=sys.stderr)
     return selection
+
+
+Rates, Rewards = dict[str, float], dict[str, list[float]]  # per task id: pass rate; sorted sampled rewards
+
+
+def sample_candidates(cfg, candidates: int, samples: int, seed: int,
+                      kept: Callable[[Rates, Rewards], int]) -> tuple[Rates, Rewards]:
+    """The untrained agents of `cfg` (its env, generation settings and turns) sample `samples` paths on
+    each of the first `candidates` problems of the train split (0 = all): per task id, the pass rate
+    and the sorted rewards. `kept(rates, rewards)` (so far) is the progress line's count of problems kept."""
+    from magrpo.backends import make_backend
+    from magrpo.evaluation import run_paths
+    from magrpo.generation import SamplingParams
+    from magrpo.models import load_agents
+    from magrpo.sampling import stream_key
+    from magrpo.trainer import prepare
+
+    env, feedback = prepare(cfg)
+    problems = list(env.problems("train"))[: candidates or None]
+    ids = [p["task_id"] for p in problems]
+    g = cfg.generation
+    sampling = SamplingParams(g.max_new_tokens, g.temperature, g.top_p, g.top_k)
+    start = time.perf_counter()
+    backend = make_backend(cfg, load_agents(cfg, env.num_agents))
+    rates: dict[str, float] = {}
+    rewards: dict[str, list[float]] = {}
+    try:
+        for first in range(0, len(problems), SELECT_CHUNK):  # chunks: a progress line, bounded batches
+            chunk = problems[first:first + SELECT_CHUNK]
+            repeated = [p for p in chunk for _ in range(samples)]
+            key = stream_key(seed, SELECT_STREAM, first)  # every chunk its own sampling stream
+            paths = run_paths(repeated, env, backend, feedback, cfg.trainer.num_turns, sampling, seed=key)[0]
+            rates.update(pass_rates(paths, ids[first:first + SELECT_CHUNK], samples))
+            rewards.update(reward_sets(paths, ids[first:first + SELECT_CHUNK], samples))
+            print(f"select: {len(rates)}/{len(ids)} problems sampled, {kept(rates, rewards)} kept "
+                  f"({time.perf_counter() - start:.0f} s)", file=sys.stderr, flush=True)
+    finally:
+        backend.close()
+    return rates, rewards
 
 
 def save_selection(selection: dict[str, Any], path: Path) -> Path:

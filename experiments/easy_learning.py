@@ -3,6 +3,8 @@
     python experiments/easy_learning.py all              # run every variant x seed, then report
     python experiments/easy_learning.py all --smoke      # the same pipeline on the tiny model, seconds
     python experiments/easy_learning.py report           # tables, plot and headline of what finished
+    python experiments/easy_learning.py all --select 80 --out experiments/out/easy_selected
+                                                         # train on the problems the untrained team sometimes passes
 
 Variants (each one `train.py` run per seed, in-process through magrpo.cli, in out/runs/<variant>/seed<s>):
 the method (2 agents, 2 turns, level_feedback), one agent with the same turns and feedback, and 2
@@ -10,6 +12,12 @@ agents in one turn. The untrained agents are each run's evaluation at step 0. Ev
 at least the method's completions per step (its batch is scaled; code_learning.batch_size). The
 held-out split (`heldout`: other templates and other instances, never trained on) is evaluated
 before the first step, every `eval_every` steps and after the last, greedy and sampled, per turn.
+
+With `--select N`, the runs train only on the problems among the first N of the train split that
+the untrained team (2 agents, one turn, the runs' generation settings) passes on some but not all of
+`--select-samples` sampled paths (`select`, kept in OUT/selection.json): on the whole split about half
+the GRPO groups had no reward spread, and the rest mostly differed in formatting. The held-out split
+is never sampled for this and never narrowed.
 
 A run that is stopped resumes from its last checkpoint when the same command is run again
 (`resume=auto`, a checkpoint every `checkpoint_every` steps); finished runs are kept and checked to
@@ -56,6 +64,9 @@ class Sizes:
     temperature: float = 0.7
     top_p: float = 0.9
     micro_batch_size: int = 0  # trainer.micro_batch_size (0: the trainer's default); less memory, the same update
+    select_candidates: int = 0  # train on the problems among the first this many train ones that the untrained
+    #                             team sometimes passes and sometimes fails (0: train on the whole train split)
+    select_samples: int = 4  # sampled paths per candidate when selecting
 
     @property
     def runs(self) -> list[tuple[str, int]]:
@@ -79,14 +90,14 @@ SMOKE = Sizes("tiny", steps=1, batch_size=1, k=2, max_new_tokens=16, lr=1e-4, ev
               eval_every=0, seeds={METHOD: (0,), "single_agent": (0,), "one_turn": (0,)}, temperature=1.0, top_p=1.0)
 
 
-def overrides(name: str, seed: int, sizes: Sizes, run_dir: Path) -> list[str]:
+def overrides(name: str, seed: int, sizes: Sizes, run_dir: Path, train_split: str = "train") -> list[str]:
     """The `train.py` settings of one run: the results page prints them, so every variant's exact config is there."""
     v = shared.VARIANTS[name]
     optional = [f"generation.stop={json.dumps(list(sizes.stop))}"] if sizes.stop else []
     optional += [f"trainer.micro_batch_size={sizes.micro_batch_size}"] if sizes.micro_batch_size else []
     return [
         f"model={sizes.model}", f"model.device={sizes.device}", f"external={v.feedback}", "env=code",
-        "env.dataset=easy", "env.train_split=train", "env.eval_split=heldout", f"env.num_agents={v.agents}",
+        "env.dataset=easy", f"env.train_split='{train_split}'", "env.eval_split=heldout", f"env.num_agents={v.agents}",
         f"trainer.num_turns={v.turns}", f"trainer.num_generations={sizes.k}",
         f"trainer.batch_size={shared.batch_size(v, sizes)}", f"trainer.steps={sizes.steps}", f"trainer.lr={sizes.lr}",
         f"trainer.seed={seed}", f"generation.max_new_tokens={sizes.max_new_tokens}",
@@ -108,6 +119,12 @@ def run(sizes: Sizes, out: Path, variants: Sequence[str]) -> list[Path]:
 
     # model.dtype=auto differs by CPU (bfloat16 with AMX, else float32): each record says what it was
     dtype = resolve_dtype("auto", device_facts(pick_device(sizes.device)))[0]
+    train_split = "train"
+    if sizes.select_candidates:
+        path = out / "selection.json"
+        selection = json.loads(path.read_text()) if path.is_file() else select(sizes, out)
+        check_same_selection_settings(selection, sizes)
+        train_split = split_of(selection["selected"])
     dirs = []
     for name, seed in sizes.runs:
         if name not in variants:
@@ -115,7 +132,7 @@ def run(sizes: Sizes, out: Path, variants: Sequence[str]) -> list[Path]:
         v = shared.VARIANTS[name]
         run_dir = out / "runs" / name / f"seed{seed}"
         dirs.append(run_dir)
-        argv = overrides(name, seed, sizes, run_dir)
+        argv = overrides(name, seed, sizes, run_dir, train_split)
         per_step = tree_size("align", sizes.k, v.agents, v.turns)[1] * shared.batch_size(v, sizes)
         info = {"variant": name, "seed": seed, **asdict(v), "completions_per_step": per_step,
                 "torch_threads": torch.get_num_threads(), "dtype": dtype,
@@ -134,6 +151,69 @@ def run(sizes: Sizes, out: Path, variants: Sequence[str]) -> list[Path]:
             raise SystemExit(f"run: {name} seed {seed} failed (exit {code}); see {run_dir}")
         shared.write_info(run_dir, {**info, **shared._provenance(start)})
     return dirs
+
+
+# ------------------------------------------------------------------------------------------ select
+
+
+def select_settings(sizes: Sizes) -> list[str]:
+    """The untrained team as the method samples it (2 agents, the same generation settings), one turn."""
+    stop = [f"generation.stop={json.dumps(list(sizes.stop))}"] if sizes.stop else []
+    return [f"model={sizes.model}", f"model.device={sizes.device}", "env=code", "env.dataset=easy",
+            "env.train_split=train", "env.num_agents=2", "trainer.num_turns=1",
+            f"generation.max_new_tokens={sizes.max_new_tokens}", f"generation.temperature={sizes.temperature}",
+            f"generation.top_p={sizes.top_p}", *stop, "eval.at_end=false", "logging.wandb.mode=disabled"]
+
+
+def keep(rates: dict[str, float]) -> list[str]:
+    """Task ids, in dataset order, that some sampled paths pass and some fail: every GRPO group on them
+    can be told apart by passing, where most groups of the whole split differ only in formatting."""
+    return [task_id for task_id, rate in rates.items() if 0 < rate < 1]
+
+
+def select(sizes: Sizes, out: Path, seed: int = 0) -> dict:
+    """Sample the untrained team `select_samples` times on each of the first `select_candidates` train
+    problems; write out/selection.json with the kept task ids and every candidate's pass rate."""
+    from magrpo.cli import compose
+
+    settings = select_settings(sizes)
+    start = time.perf_counter()
+    rates, rewards = shared.sample_candidates(compose(settings), sizes.select_candidates, sizes.select_samples,
+                                              seed, lambda rates, _: len(keep(rates)))
+    selection = {"selected": keep(rates), "rates": rates, "rewards": rewards, "samples": sizes.select_samples,
+                 "candidates": sizes.select_candidates, "settings": settings, "seed": seed,
+                 **shared._provenance(start)}
+    shared.save_selection(selection, out / "selection.json")
+    print(f"select: {len(selection['selected'])} of {len(rates)} train problems kept -> {out / 'selection.json'}",
+          file=sys.stderr)
+    return selection
+
+
+def check_same_selection_settings(selection: dict, sizes: Sizes) -> None:
+    """A selection.json kept from an earlier call must come from these sizes' sampling."""
+    want = (select_settings(sizes), sizes.select_samples, sizes.select_candidates)
+    if (selection.get("settings"), selection.get("samples"), selection.get("candidates")) != want:
+        raise SystemExit("select: the selection.json kept in the output folder was sampled with other settings; "
+                         "pass another --out, or remove it (and the runs beside it) to select again")
+
+
+def split_of(task_ids: Sequence[str]) -> str:
+    """An HF split spec of the easy train split that picks these task ids, in dataset order, with
+    neighbouring rows merged: `train[3:5]+train[9:10]`."""
+    from magrpo.envs.code.problems import load_problems
+
+    order = {r["task_id"]: i for i, r in enumerate(load_problems("easy", "train"))}
+    unknown = [t for t in task_ids if t not in order]
+    if unknown or not task_ids:
+        raise SystemExit(f"selection: {unknown[:3] or 'no problems'} not in the easy train split")
+    rows = sorted(order[t] for t in task_ids)
+    spans: list[list[int]] = []
+    for row in rows:
+        if spans and spans[-1][1] == row:
+            spans[-1][1] = row + 1
+        else:
+            spans.append([row, row + 1])
+    return "+".join(f"train[{a}:{b}]" for a, b in spans)
 
 
 # Settings that change memory and speed but not the update (micro-batches accumulate one gradient):
@@ -206,6 +286,20 @@ def configs(runs: dict[str, dict[int, tuple[list[dict], dict]]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def selection_line(out: Path) -> list[str]:
+    """What the runs trained on, when a selection chose it: one sentence, else nothing."""
+    path = out / "selection.json"
+    if not path.is_file():
+        return []
+    sel = json.loads(path.read_text())
+    rates = sel["rates"]
+    kept = [rates[t] for t in sel["selected"]]
+    return [f"Training problems: {len(kept)} of the first {len(rates)} train problems, those whose untrained "
+            f"pass rate ({sel['samples']} sampled paths, 2 agents, 1 turn) was strictly between 0 and 1 "
+            f"(mean {sum(kept) / max(len(kept), 1):.2f}; all {len(rates)} candidates: "
+            f"{sum(rates.values()) / len(rates):.2f}); selected on {sel['date']} in {sel['seconds'] / 60:.0f} min."]
+
+
 def report(out: Path, doc: Path, image: Path) -> str:
     """Write the Markdown results (headline, provenance, tables, settings) to `doc` and the plot to `image`."""
     runs = shared.load_runs(out)
@@ -219,7 +313,7 @@ def report(out: Path, doc: Path, image: Path) -> str:
     head = [f"**Headline:** {headline(runs)}", "",
             f"Runs finished between {dates[0]} and {dates[-1]} on {'; '.join(machines)}. "
             f"Time: {len(infos)} runs, {minutes:.0f} min in all ({minutes / 60:.2f} h).",
-            f"Sizes: {json.dumps(infos[0].get('sizes', 'not recorded'))}.",
+            f"Sizes: {json.dumps(infos[0].get('sizes', 'not recorded'))}.", *selection_line(out),
             "", f"![results]({os.path.relpath(image, doc.parent)})", ""]
     missing = shared.unfinished(out)
     if missing:  # a partial report must say so
@@ -238,7 +332,7 @@ def report(out: Path, doc: Path, image: Path) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("command", choices=["run", "report", "all"])
+    parser.add_argument("command", choices=["select", "run", "report", "all"])
     parser.add_argument("--smoke", action="store_true", help="tiny model, 1 step, 1 seed per variant (the CI test)")
     parser.add_argument("--out", type=Path, default=None,
                         help="output folder (default experiments/out/easy_learning, or ..._smoke)")
@@ -258,6 +352,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--micro-batch-size", type=int, default=None,
                         help="trainer.micro_batch_size (default: the trainer's, 32): smaller needs less memory "
                              "for the same update (SmolLM2's update at 32 rows peaks at ~10-15 GB)")
+    parser.add_argument("--select", type=int, default=None, dest="select_candidates",
+                        help="train only on the problems among the first N train ones whose untrained pass rate "
+                             "(--select-samples sampled paths, 2 agents, 1 turn) is strictly between 0 and 1; "
+                             "`select` samples them into OUT/selection.json, `run` trains on it "
+                             f"(default {FULL.select_candidates}: the whole train split)")
+    parser.add_argument("--select-samples", type=int, default=None, help=f"default {FULL.select_samples}")
     parser.add_argument("--device", default=None, help="model.device (default auto)")
     parser.add_argument("--doc", type=Path, default=None, help="results Markdown (default OUT/results.md)")
     parser.add_argument("--image", type=Path, default=None, help="plot PNG (default OUT/results.png)")
@@ -265,7 +365,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     sizes = SMOKE if args.smoke else FULL
     for field, value in (("steps", args.steps), ("eval_every", args.eval_every), ("lr", args.lr),
                          ("device", args.device), ("eval_problems", args.eval_problems),
-                         ("eval_samples", args.eval_samples), ("micro_batch_size", args.micro_batch_size)):
+                         ("eval_samples", args.eval_samples), ("micro_batch_size", args.micro_batch_size),
+                         ("select_candidates", args.select_candidates), ("select_samples", args.select_samples)):
         if value is not None:
             sizes = replace(sizes, **{field: value})
     if args.seeds is not None:
@@ -276,6 +377,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = args.out or ROOT / "experiments" / "out" / ("easy_learning_smoke" if args.smoke else "easy_learning")
     from magrpo import envs, external  # noqa: F401  (fills the env and feedback registries)
 
+    if args.command == "select":
+        if not sizes.select_candidates:
+            parser.error("select needs --select N (how many train problems are candidates)")
+        select(sizes, out)
     if args.command in ("run", "all"):
         run(sizes, out, args.variants)
     if args.command in ("report", "all"):

@@ -85,3 +85,38 @@ def test_a_kept_run_counts_whatever_its_micro_batch_but_not_with_other_settings(
     exp.check_same_overrides(run, smaller)  # the same update, in less memory
     with pytest.raises(SystemExit, match="trainer.lr"):
         exp.check_same_overrides(run, exp.overrides("level_feedback", 0, exp.replace(exp.FULL, lr=1e-3), run))
+
+
+def test_the_selection_keeps_problems_sometimes_passed_and_trains_on_exactly_those_rows(exp, tmp_path):
+    from magrpo.cli import compose
+    from magrpo.envs.code.problems import load_problems
+
+    assert exp.keep({"a": 0.0, "b": 0.5, "c": 1.0, "d": 0.25}) == ["b", "d"]  # a group on a or c has no pass spread
+    chosen = ["Easy/train/9", "Easy/train/5", "Easy/train/3", "Easy/train/4"]
+    spec = exp.split_of(chosen)
+    assert spec == "train[3:6]+train[9:10]"  # dataset order, neighbours merged
+    assert [r["task_id"] for r in load_problems("easy", spec)] == sorted(chosen, key=lambda t: int(t.split("/")[-1]))
+    cfg = compose(exp.overrides("level_feedback", 0, exp.FULL, tmp_path, spec))
+    assert (cfg.env["train_split"], cfg.env["eval_split"]) == (spec, "heldout")  # held-out is never narrowed
+    with pytest.raises(SystemExit, match="Easy/heldout/0"):
+        exp.split_of(["Easy/heldout/0"])
+
+
+@pytest.mark.slow
+def test_select_then_run_on_the_tiny_model(exp, tmp_path):
+    """`select` samples the untrained team on the candidates and records every rate; `run` trains on
+    the kept rows only, and refuses a selection sampled with other settings. The tiny model passes
+    nothing, so the kept list is edited by hand, as a real selection would have kept them."""
+    sizes = exp.replace(exp.SMOKE, select_candidates=2, select_samples=2,
+                        seeds={"level_feedback": (0,), "single_agent": (), "one_turn": ()})
+    selection = exp.select(sizes, tmp_path)
+    assert sorted(selection["rates"]) == ["Easy/train/0", "Easy/train/1"] and selection["selected"] == []
+    saved = json.loads((tmp_path / "selection.json").read_text())
+    saved["selected"] = ["Easy/train/1"]
+    (tmp_path / "selection.json").write_text(json.dumps(saved))
+    with pytest.raises(SystemExit, match="other settings"):
+        exp.run(exp.replace(sizes, select_samples=3), tmp_path, ["level_feedback"])
+    (run_dir,) = exp.run(sizes, tmp_path, ["level_feedback"])
+    assert json.loads((run_dir / "config.json").read_text())["env"]["train_split"] == "train[1:2]"
+    text = exp.report(tmp_path, tmp_path / "results.md", tmp_path / "results.png")
+    assert "Training problems: 1 of the first 2 train problems" in text
