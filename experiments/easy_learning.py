@@ -333,7 +333,9 @@ def report(out: Path, doc: Path, image: Path) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("command", choices=["select", "run", "report", "all"])
-    parser.add_argument("--smoke", action="store_true", help="tiny model, 1 step, 1 seed per variant (the CI test)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny model, 1 step, 1 seed per variant (tests/test_easy_learning_experiment.py "
+                             "trains this way)")
     parser.add_argument("--out", type=Path, default=None,
                         help="output folder (default experiments/out/easy_learning, or ..._smoke)")
     parser.add_argument("--variants", nargs="+", choices=VARIANT_NAMES, default=list(VARIANT_NAMES))
