@@ -160,9 +160,10 @@ def select_settings(sizes: Sizes) -> list[str]:
     """The untrained team as the method samples it (2 agents, the same generation settings), one turn."""
     stop = [f"generation.stop={json.dumps(list(sizes.stop))}"] if sizes.stop else []
     return [f"model={sizes.model}", f"model.device={sizes.device}", "env=code", "env.dataset=easy",
-            "env.train_split=train", "env.num_agents=2", "trainer.num_turns=1",
+            "env.train_split=train", "env.eval_split=heldout", "env.num_agents=2", "trainer.num_turns=1",
             f"generation.max_new_tokens={sizes.max_new_tokens}", f"generation.temperature={sizes.temperature}",
-            f"generation.top_p={sizes.top_p}", *stop, "eval.at_end=false", "logging.wandb.mode=disabled"]
+            f"generation.top_p={sizes.top_p}", *stop, "eval.at_start=false", "eval.every=0", "eval.at_end=false",
+            "logging.wandb.mode=disabled"]
 
 
 def keep(rates: dict[str, float]) -> list[str]:

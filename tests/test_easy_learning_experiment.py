@@ -100,6 +100,9 @@ def test_the_selection_keeps_problems_sometimes_passed_and_trains_on_exactly_tho
     assert (cfg.env["train_split"], cfg.env["eval_split"]) == (spec, "heldout")  # held-out is never narrowed
     with pytest.raises(SystemExit, match="Easy/heldout/0"):
         exp.split_of(["Easy/heldout/0"])
+    from magrpo.trainer import prepare
+
+    prepare(compose(exp.select_settings(exp.FULL)))  # the real model's config evaluates by default: a valid eval split
 
 
 @pytest.mark.slow
