@@ -265,10 +265,12 @@ def headline(runs: dict[str, dict[int, tuple[list[dict], dict]]]) -> str:
     baselines = {name: sum(s) / len(s) for name in runs if name != METHOD and (s := scores(name, "after"))}
     problems = next(iter(runs[METHOD].values()))[1].get("sizes", {}).get("eval_problems")
     on = f" on {problems} held-out problems" if problems else ""  # 0.05 is one problem of 20: say so
+    # in problems too: with few problems and seeds, "larger than the spread" can be one problem each
+    solved = f"; {statistics.mean(changes) * problems:+.1f} of {problems} problems" if problems else ""
     text = (f"Held-out greedy pass@1 of SmolLM2-135M with MAGRPO-MT (2 agents, 2 turns, level_feedback) on "
             f"env.dataset=easy{on}: {shared.mean_sd(before)} before -> {shared.mean_sd(after)} after "
             f"({len(after)} seed(s); change {shared.mean_sd(changes)}, "
-            f"{'larger' if beats else 'not larger'} than its seed spread)")
+            f"{'larger' if beats else 'not larger'} than its seed spread{solved})")
     if baselines:
         best = max(baselines, key=baselines.get)
         text += (f"; the best baseline, {best}, reaches {shared.mean_sd(scores(best, 'after'))} "

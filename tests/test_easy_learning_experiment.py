@@ -72,6 +72,10 @@ def test_headline_says_when_the_rise_is_within_the_seed_spread(exp, tmp_path):
         write_run(tmp_path, "level_feedback", seed, 2, before, after)
     headline = exp.headline(exp.shared.load_runs(tmp_path))
     assert "not larger than its seed spread" in headline and "best baseline" not in headline
+    for seed in range(3):  # the same run with its evaluation size recorded: the change in problems too
+        record = tmp_path / "runs" / "level_feedback" / f"seed{seed}" / "experiment.json"
+        record.write_text(json.dumps({**json.loads(record.read_text()), "sizes": {"eval_problems": 30}}))
+    assert "not larger than its seed spread; +3.0 of 30 problems)" in exp.headline(exp.shared.load_runs(tmp_path))
     assert exp.headline({}) == "No finished run of the method (level_feedback) yet."
 
 
