@@ -90,10 +90,15 @@ SMOKE = Sizes("tiny", steps=1, batch_size=1, k=2, max_new_tokens=16, lr=1e-4, ev
               eval_every=0, seeds={METHOD: (0,), "single_agent": (0,), "one_turn": (0,)}, temperature=1.0, top_p=1.0)
 
 
+def stop_setting(sizes: Sizes) -> list[str]:
+    """`generation.stop` as the runs and the selection both pass it (none without stop strings)."""
+    return [f"generation.stop={json.dumps(list(sizes.stop))}"] if sizes.stop else []
+
+
 def overrides(name: str, seed: int, sizes: Sizes, run_dir: Path, train_split: str = "train") -> list[str]:
     """The `train.py` settings of one run: the results page prints them, so every variant's exact config is there."""
     v = shared.VARIANTS[name]
-    optional = [f"generation.stop={json.dumps(list(sizes.stop))}"] if sizes.stop else []
+    optional = stop_setting(sizes)
     optional += [f"trainer.micro_batch_size={sizes.micro_batch_size}"] if sizes.micro_batch_size else []
     return [
         f"model={sizes.model}", f"model.device={sizes.device}", f"external={v.feedback}", "env=code",
@@ -158,7 +163,7 @@ def run(sizes: Sizes, out: Path, variants: Sequence[str]) -> list[Path]:
 
 def select_settings(sizes: Sizes) -> list[str]:
     """The untrained team as the method samples it (2 agents, the same generation settings), one turn."""
-    stop = [f"generation.stop={json.dumps(list(sizes.stop))}"] if sizes.stop else []
+    stop = stop_setting(sizes)
     return [f"model={sizes.model}", f"model.device={sizes.device}", "env=code", "env.dataset=easy",
             "env.train_split=train", "env.eval_split=heldout", "env.num_agents=2", "trainer.num_turns=1",
             f"generation.max_new_tokens={sizes.max_new_tokens}", f"generation.temperature={sizes.temperature}",
