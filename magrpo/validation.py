@@ -153,12 +153,17 @@ def validate(cfg: TrainConfig) -> None:
 
 def check_stop_strings(cfg: TrainConfig) -> None:
     """generation.stop and agents[i].stop hold non-empty strings (an empty one is in every text: it
-    would end each completion at its first token)."""
+    would end each completion at its first token) without U+FFFD, the character a tokenizer decodes
+    an incomplete UTF-8 sequence to: `hf` sees it at the token that ends such a text, vLLM's
+    detokenizer holds those bytes back a token, so the two backends would end the completion apart."""
     own = [(f"agents[{i}].stop", a.stop) for i, a in enumerate(cfg.agents) if a.stop is not None]
     for key, strings in [("generation.stop", cfg.generation.stop), *own]:
         if any(s == "" for s in strings):
             raise ConfigError(key, 'stop strings must not be empty, e.g. generation.stop=["\\n```\\n"] '
                                    '(docs/backends.md#stop-strings)')
+        if any("\ufffd" in s for s in strings):
+            raise ConfigError(key, "stop strings must not hold U+FFFD (the replacement character for "
+                                   "undecodable bytes): write whole characters (docs/backends.md#stop-strings)")
 
 
 def check_loss_credit_options(cfg: TrainConfig) -> None:

@@ -241,6 +241,15 @@ def test_an_empty_stop_string_is_a_one_line_config_error(run_cli, override, key)
     assert code == 2 and key in lines[-1] and "must not be empty" in lines[-1]
 
 
+@pytest.mark.parametrize("override, key", [('generation.stop=["x\ufffd"]', "generation.stop"),
+                                           ('agents=[{stop: ["\ufffd"]}]', "agents[0].stop")])
+def test_a_stop_string_holding_the_replacement_character_is_a_one_line_config_error(run_cli, override, key):
+    """The vLLM stop-string test failed when its stop string was a partial byte's U+FFFD: vLLM ended
+    the completion a token after `hf` did. Such a string is refused at start-up."""
+    code, lines = run_cli(override)
+    assert code == 2 and key in lines[-1] and "U+FFFD" in lines[-1]
+
+
 # --- a training run -----------------------------------------------------------------------------------
 
 @pytest.mark.slow

@@ -34,8 +34,9 @@ def setup():
     from tests.conftest import SMALL, compose
 
     cfg = compose([*SMALL, "lora.r=4", "backend=vllm"])
+    torch.manual_seed(0)  # torch 2.13 starts each process from a random seed: the same adapters in every run
     agents = load_agents(cfg, 2)
-    torch.manual_seed(0)  # adapters that differ from the base and from each other: routing matters
+    # adapters that differ from the base and from each other: routing matters
     for name, p in agents[0].model.named_parameters():
         if "lora_B" in name:
             p.data.normal_(0, 0.2)
@@ -187,6 +188,16 @@ def test_vllm_stops_at_a_stop_string_and_keeps_it(setup):
             assert stop in tok.decode(after.token_ids) and stop not in tok.decode(after.token_ids[:-1])
 
 
+def first_whole_stop(tokenizer, ids: list[int]) -> int:
+    """The first n >= 6 at which the text of tokens n-2, n-1 first appears and is whole characters. A
+    window that decodes to U+FFFD (a partial UTF-8 byte sequence) is a config error as a stop string:
+    vLLM's detokenizer holds such bytes back a token, so with the 4096-token tiny model's random
+    outputs the old fixed window [4:6] made this test fail in about 1 process of 20."""
+    return next(n for n in range(6, len(ids) + 1)
+                if "\ufffd" not in (s := tokenizer.decode(ids[n - 2 : n]))
+                and s in tokenizer.decode(ids[:n]) and s not in tokenizer.decode(ids[: n - 1]))
+
+
 def test_vllm_ends_each_agents_completion_at_its_own_stop_string_finished_as_hf_does(setup):
     """generation.stop / agents[i].stop on vLLM: per request in one call, the stop string's token kept,
     finished (a pause marker cuts the same tokens unfinished), the same tokens as the HF backend."""
@@ -195,17 +206,14 @@ def test_vllm_ends_each_agents_completion_at_its_own_stop_string_finished_as_hf_
     greedy = SamplingParams(max_new_tokens=16, logprobs=True, greedy=True)
     plain = [GenerationRequest("Write some code.", a, 1) for a in (0, 1)]
     full = [c for [c] in backend.generate(plain, greedy)]
-    stops = [tok.decode(c.token_ids[4:6]) for c in full]  # each agent's own (the adapters differ)
+    cuts = [first_whole_stop(tok, c.token_ids) for c in full]
+    stops = [tok.decode(c.token_ids[n - 2 : n]) for c, n in zip(full, cuts)]  # each agent's own (adapters differ)
     requests = [replace(r, stop=(s,)) for r, s in zip(plain, stops)]
     calls = backend.generate_calls
     stopped = [c for [c] in backend.generate(requests, greedy)]
     assert backend.generate_calls == calls + 1
-    for before, after, stop in zip(full, stopped, stops):
-        n = len(after.token_ids)
-        # Failed once in CI (n = 7) and passed on every rerun: the message keeps what the next failure saw.
-        seen = (f"stop {stop!r}; full {before.token_ids} {tok.decode(before.token_ids)!r}; "
-                f"stopped {after.token_ids} {tok.decode(after.token_ids)!r} finished={after.finished}")
-        assert n <= 6 and after.finished and after.token_ids == before.token_ids[:n] and len(after.logprobs) == n, seen
+    for before, after, stop, n in zip(full, stopped, stops, cuts):
+        assert after.token_ids == before.token_ids[:n] and after.finished and len(after.logprobs) == n
         assert stop in tok.decode(after.token_ids) and stop not in tok.decode(after.token_ids[:-1])
     hf = [c for [c] in HFBackend(agents).generate(requests, greedy)]
     assert [(c.token_ids, c.finished) for c in hf] == [(c.token_ids, c.finished) for c in stopped]
