@@ -50,7 +50,7 @@ def summary(outcomes: list[tuple[dict, dict]]) -> dict:
 
 def measure(model: str, problems: int, samples: int, max_new_tokens: int, agents: int, seed: int = 0,
             start_at: int = 0, out: Path | None = None, stop: tuple[str, ...] = (),
-            templates: tuple[str, ...] = ()) -> dict:
+            templates: tuple[str, ...] = (), split: str = "train") -> dict:
     from magrpo.backends import make_backend
     from magrpo.cli import compose
     from magrpo.evaluation import run_paths
@@ -60,7 +60,7 @@ def measure(model: str, problems: int, samples: int, max_new_tokens: int, agents
     from magrpo.trainer import prepare
 
     cfg = compose([f"model={model}", "env.dataset=easy", f"env.num_agents={agents}", "trainer.num_turns=1",
-                   f"env.train_split='train{'' if templates else f'[:{problems}]'}'", "env.eval_split=heldout",
+                   f"env.train_split='{split}{'' if templates else f'[:{problems}]'}'", "env.eval_split=heldout",
                    f"generation.max_new_tokens={max_new_tokens}", "eval.at_end=false",
                    *([f"generation.stop={json.dumps(list(stop))}"] if stop else [])])
     env, feedback = prepare(cfg)
@@ -72,7 +72,7 @@ def measure(model: str, problems: int, samples: int, max_new_tokens: int, agents
         chosen = [p for p in chosen if p["template"] in templates][:problems]
     chosen = chosen[start_at:]
     g = cfg.generation
-    settings = {"problems": f"train[{start_at}:{problems}]", "templates": list(templates), "samples": samples,
+    settings = {"problems": f"{split}[{start_at}:{problems}]", "templates": list(templates), "samples": samples,
                 "agents": agents, "model": model, "temperature": g.temperature, "top_p": g.top_p,
                 "max_new_tokens": g.max_new_tokens, "seed": seed, "stop": list(stop)}
     sampling = SamplingParams(g.max_new_tokens, g.temperature, g.top_p, g.top_k)
@@ -105,7 +105,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--problems", type=int, default=40, help="the first N problems of the train split")
+    parser.add_argument("--problems", type=int, default=40, help="the first N problems of the split")
+    parser.add_argument("--split", default="train", help="a training split of the easy dataset: train | train_reach")
     parser.add_argument("--start-at", type=int, default=0, help="skip the first problems (continue a stopped run)")
     parser.add_argument("--samples", type=int, default=4, help="sampled paths per problem")
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -118,7 +119,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     result = measure(args.model, args.problems, args.samples, args.max_new_tokens, args.agents,
                      start_at=args.start_at, out=args.out,
-                     stop=tuple(unescape(s) for s in args.stop), templates=tuple(args.templates))
+                     stop=tuple(unescape(s) for s in args.stop), templates=tuple(args.templates), split=args.split)
     print(json.dumps(result, indent=1))
     return result
 

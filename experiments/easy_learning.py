@@ -67,6 +67,7 @@ class Sizes:
     select_candidates: int = 0  # train on the problems among the first this many train ones that the untrained
     #                             team sometimes passes and sometimes fails (0: train on the whole train split)
     select_samples: int = 4  # sampled paths per candidate when selecting
+    train_split: str = "train"  # the easy dataset's training split: train | train_reach (envs/code/easy.py, REACH)
 
     @property
     def runs(self) -> list[tuple[str, int]]:
@@ -124,12 +125,12 @@ def run(sizes: Sizes, out: Path, variants: Sequence[str]) -> list[Path]:
 
     # model.dtype=auto differs by CPU (bfloat16 with AMX, else float32): each record says what it was
     dtype = resolve_dtype("auto", device_facts(pick_device(sizes.device)))[0]
-    train_split = "train"
+    train_split = sizes.train_split
     if sizes.select_candidates:
         path = out / "selection.json"
         selection = json.loads(path.read_text()) if path.is_file() else select(sizes, out)
         check_same_selection_settings(selection, sizes)
-        train_split = split_of(selection["selected"])
+        train_split = split_of(selection["selected"], sizes.train_split)
     dirs = []
     for name, seed in sizes.runs:
         if name not in variants:
@@ -165,7 +166,7 @@ def select_settings(sizes: Sizes) -> list[str]:
     """The untrained team as the method samples it (2 agents, the same generation settings), one turn."""
     stop = stop_setting(sizes)
     return [f"model={sizes.model}", f"model.device={sizes.device}", "env=code", "env.dataset=easy",
-            "env.train_split=train", "env.eval_split=heldout", "env.num_agents=2", "trainer.num_turns=1",
+            f"env.train_split={sizes.train_split}", "env.eval_split=heldout", "env.num_agents=2", "trainer.num_turns=1",
             f"generation.max_new_tokens={sizes.max_new_tokens}", f"generation.temperature={sizes.temperature}",
             f"generation.top_p={sizes.top_p}", *stop, "eval.at_start=false", "eval.every=0", "eval.at_end=false",
             "logging.wandb.mode=disabled"]
@@ -203,15 +204,15 @@ def check_same_selection_settings(selection: dict, sizes: Sizes) -> None:
                          "pass another --out, or remove it (and the runs beside it) to select again")
 
 
-def split_of(task_ids: Sequence[str]) -> str:
-    """An HF split spec of the easy train split that picks these task ids, in dataset order, with
-    neighbouring rows merged: `train[3:5]+train[9:10]`."""
+def split_of(task_ids: Sequence[str], split: str = "train") -> str:
+    """An HF split spec of the easy training split `split` that picks these task ids, in dataset order,
+    with neighbouring rows merged: `train[3:5]+train[9:10]`."""
     from magrpo.envs.code.problems import load_problems
 
-    order = {r["task_id"]: i for i, r in enumerate(load_problems("easy", "train"))}
+    order = {r["task_id"]: i for i, r in enumerate(load_problems("easy", split))}
     unknown = [t for t in task_ids if t not in order]
     if unknown or not task_ids:
-        raise SystemExit(f"selection: {unknown[:3] or 'no problems'} not in the easy train split")
+        raise SystemExit(f"selection: {unknown[:3] or 'no problems'} not in the easy {split} split")
     rows = sorted(order[t] for t in task_ids)
     spans: list[list[int]] = []
     for row in rows:
@@ -219,7 +220,7 @@ def split_of(task_ids: Sequence[str]) -> str:
             spans[-1][1] = row + 1
         else:
             spans.append([row, row + 1])
-    return "+".join(f"train[{a}:{b}]" for a, b in spans)
+    return "+".join(f"{split}[{a}:{b}]" for a, b in spans)
 
 
 # Settings that change memory and speed but not the update (micro-batches accumulate one gradient):
@@ -368,6 +369,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "`select` samples them into OUT/selection.json, `run` trains on it "
                              f"(default {FULL.select_candidates}: the whole train split)")
     parser.add_argument("--select-samples", type=int, default=None, help=f"default {FULL.select_samples}")
+    parser.add_argument("--train-split", default=None, choices=["train", "train_reach"],
+                        help="the easy dataset's training split: train_reach keeps the templates the untrained "
+                             f"model passes at all (envs/code/easy.py, REACH; default {FULL.train_split})")
     parser.add_argument("--device", default=None, help="model.device (default auto)")
     parser.add_argument("--doc", type=Path, default=None, help="results Markdown (default OUT/results.md)")
     parser.add_argument("--image", type=Path, default=None, help="plot PNG (default OUT/results.png)")
@@ -376,7 +380,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for field, value in (("steps", args.steps), ("eval_every", args.eval_every), ("lr", args.lr),
                          ("device", args.device), ("eval_problems", args.eval_problems),
                          ("eval_samples", args.eval_samples), ("micro_batch_size", args.micro_batch_size),
-                         ("select_candidates", args.select_candidates), ("select_samples", args.select_samples)):
+                         ("select_candidates", args.select_candidates), ("select_samples", args.select_samples),
+                         ("train_split", args.train_split)):
         if value is not None:
             sizes = replace(sizes, **{field: value})
     if args.seeds is not None:

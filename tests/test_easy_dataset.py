@@ -65,7 +65,8 @@ def test_same_seed_gives_byte_identical_records_and_another_seed_others(splits):
 def test_the_records_are_the_ones_measured_and_documented(splits):
     """The baseline in docs/environments.md was measured on these bytes. A change to the templates, or
     a Python whose `random` draws differently, changes them: re-measure, then update this digest."""
-    digest = hashlib.sha256(json.dumps(splits, sort_keys=True).encode()).hexdigest()
+    generated = {split: splits[split] for split in easy.SPLITS}  # train_reach is a view of train (its own test)
+    digest = hashlib.sha256(json.dumps(generated, sort_keys=True).encode()).hexdigest()
     assert digest == "fcdf017adf7335f884e25dbb4a53fb970c0d9457f822982cda9f9e6a000e6a19"
 
 
@@ -183,3 +184,15 @@ def test_two_agents_get_a_helper_prompt_and_an_entry_point_prompt():
     aux, main = env.agent_prompts(problem)
     assert "named `aux`" in aux and f"`{problem['entry_point']}({', '.join(signature.params)})`" in aux
     assert signature.source in main and "`aux`" in main
+
+
+def test_train_reach_is_the_part_of_train_from_the_reach_templates_in_train_order(splits):
+    """The training-side tuning of issue 32: a view of `train`, never anything held-out."""
+    names = {t.name: t for t in TEMPLATES}
+    assert all(name in names and not names[name].heldout for name in easy.REACH)
+    reach = splits["train_reach"]
+    assert reach == [r for r in splits["train"] if r["template"] in easy.REACH]
+    assert {r["template"] for r in reach} == set(easy.REACH) and len(reach) >= 100
+    held = {r["task_id"] for r in splits["heldout"]} | {_normalised(r["prompt"]) for r in splits["heldout"]}
+    assert not held & ({r["task_id"] for r in reach} | {_normalised(r["prompt"]) for r in reach})
+    assert [r["task_id"] for r in load_problems("easy", "train_reach[:3]")] == [r["task_id"] for r in reach[:3]]

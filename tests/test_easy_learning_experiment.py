@@ -4,6 +4,7 @@ dirs right (seconds; no model)."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -104,6 +105,17 @@ def test_the_selection_keeps_problems_sometimes_passed_and_trains_on_exactly_tho
     assert (cfg.env["train_split"], cfg.env["eval_split"]) == (spec, "heldout")  # held-out is never narrowed
     with pytest.raises(SystemExit, match="Easy/heldout/0"):
         exp.split_of(["Easy/heldout/0"])
+    # --train-split train_reach: rows of that split, which keeps train's task ids
+    reach = [r["task_id"] for r in load_problems("easy", "train_reach")]
+    picked = [reach[7], reach[2], reach[1]]
+    spec = exp.split_of(picked, "train_reach")
+    assert spec == "train_reach[1:3]+train_reach[7:8]"
+    assert [r["task_id"] for r in load_problems("easy", spec)] == [reach[1], reach[2], reach[7]]
+    with pytest.raises(SystemExit, match="train_reach"):
+        exp.split_of([next(t for t in chosen if t not in reach)], "train_reach")
+    tuned = replace(exp.FULL, train_split="train_reach")
+    assert compose(exp.overrides("one_turn", 0, tuned, tmp_path, tuned.train_split)).env["train_split"] == "train_reach"
+    assert "env.train_split=train_reach" in exp.select_settings(tuned)
     from magrpo.trainer import prepare
 
     prepare(compose(exp.select_settings(exp.FULL)))  # the real model's config evaluates by default: a valid eval split

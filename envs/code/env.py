@@ -52,7 +52,7 @@ class CodeEnv(Environment):
     @dataclass
     class Config:
         dataset: str = "humaneval"
-        """humaneval | coophumaneval | mbpp | easy (generated; splits train, heldout) | path/to/file.jsonl
+        """humaneval | coophumaneval | mbpp | easy (generated; splits train, heldout, train_reach) | path/to/file.jsonl
         (records: task_id, prompt, test, entry_point)."""
         train_split: str = "test[:132]"
         """Hugging Face split syntax for training problems."""
