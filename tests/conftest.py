@@ -3,14 +3,12 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import random
 import socket
 import sys
 import threading
 import traceback
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -28,9 +26,7 @@ def same_random_state_in_every_run():
     random in each process (torch.initial_seed() differs run to run), so a test that drew from it
     without seeding saw new numbers every run: a rare draw failed once and passed on the rerun. Now
     a failure repeats. Module- and session-scoped fixtures run before this one and seed themselves."""
-    torch.manual_seed(0)
-    np.random.seed(0)
-    random.seed(0)
+    seed_everything(0)
 
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -40,6 +36,7 @@ if str(ROOT) not in sys.path:  # `tests.feedback_probe` and train.py's packages 
 import magrpo.envs  # noqa: E402  (fills the env registry)
 import magrpo.external  # noqa: E402,F401  (fills the feedback registry)
 from magrpo.cli import compose  # noqa: E402
+from magrpo.trainer import seed_everything  # noqa: E402
 from tests.openai_server import server  # noqa: E402,F401  (fixture: an OpenAI-compatible HTTP server)
 
 SMALL = [
