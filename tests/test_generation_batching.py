@@ -95,11 +95,11 @@ def test_sampling_logprobs_match_the_trainers_recomputed_logprobs(agents, temper
     for req, completions in zip(requests, out):
         model.set_adapter(agents[req.agent].adapter)
         samples = [TrainSample(c.prompt_ids, c.token_ids, 0.0) for c in completions]
-        batch = pack(samples, agents[0].tokenizer.pad_token_id)
+        batch = pack(samples, agents[0].tokenizer.pad_token_id).to(model.device)  # as the updater does
         with torch.no_grad():
             logp, _ = forward_logprobs(model, batch, temperature)
         for row, c in enumerate(completions):
-            torch.testing.assert_close(logp[row][batch.target_mask[row]], torch.tensor(c.logprobs),
+            torch.testing.assert_close(logp[row][batch.target_mask[row]].cpu(), torch.tensor(c.logprobs),
                                        atol=2e-4, rtol=1e-4)
 
 
@@ -162,7 +162,7 @@ def test_row_adapters_compute_what_peft_mixed_batching_does(agents, grouped):
 
     model = agents[0].model.eval()
     rows = ["agent_0"] * 3 + ["agent_1"] * 2 if grouped else ["agent_1", "agent_0", "agent_1", "agent_0"]
-    ids = torch.randint(3, 200, (len(rows), 7), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(3, 200, (len(rows), 7), generator=torch.Generator().manual_seed(1)).to(model.device)
     with torch.no_grad():
         want = model(input_ids=ids, adapter_names=rows).logits
         with RowAdapters(model).active() as routing:

@@ -84,7 +84,7 @@ def test_changing_a_trailing_tool_output_leaves_the_gradient_unchanged(agent):
 
 def dense_scores(model, x: TrainSample, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(C,) log-probs of the completion tokens and their (C, V) logits, from one unpadded forward."""
-    ids = torch.tensor([x.prompt_ids + x.completion_ids])
+    ids = torch.tensor([x.prompt_ids + x.completion_ids], device=model.device)  # the model's device: also on a GPU
     p, c = len(x.prompt_ids), len(x.completion_ids)
     logits = model(input_ids=ids).logits[0, p - 1 : p + c - 1].float() / temperature
     return logits.log_softmax(-1).gather(-1, ids[0, p:, None])[:, 0], logits
@@ -99,7 +99,7 @@ def reference_gradient(agent, samples: list[TrainSample], settings=SETTINGS) -> 
     for p in params:
         p.grad = None
     model_tokens = sum(sum(x.model_mask) if x.model_mask else len(x.completion_ids) for x in samples)
-    total = torch.zeros(())
+    total = torch.zeros((), device=model.device)
     for x in samples:
         c = len(x.completion_ids)
         logp, logits = dense_scores(model, x, s.temperature)
