@@ -178,6 +178,35 @@ def test_row_adapters_compute_what_peft_mixed_batching_does(agents, grouped):
     assert torch.equal(after, want)  # hooks removed, adapters enabled again
 
 
+def test_row_routing_leaves_each_layers_switch_hooks_and_grads_as_it_found_them(agents):
+    """RowAdapters turns the LoRA layers' own switches off for a decode and back, also when the forward
+    raises. peft's disable_adapter() (which it used before) re-sets requires_grad on the way out: a model
+    with frozen adapters came back with the active one trainable."""
+    from magrpo.backends.hf import RowAdapters
+
+    model = agents[0].model.eval()
+    routing = RowAdapters(model)
+    lora = [p for name, p in model.named_parameters() if "lora_" in name]
+    before = [p.requires_grad for p in lora]
+    try:
+        for p in lora:
+            p.requires_grad_(False)
+        ids = torch.tensor([[5, 6, 7]], device=model.device)
+        with torch.no_grad():
+            want = model(input_ids=ids).logits
+            with pytest.raises(RuntimeError, match="inside"):
+                with routing.active():
+                    assert all(layer.disable_adapters for layer in routing.layers)
+                    raise RuntimeError("inside")
+            assert not any(layer.disable_adapters for layer in routing.layers)
+            assert not any(layer._forward_hooks for layer in routing.layers)  # the hooks are gone
+            assert not any(p.requires_grad for p in lora)
+            assert torch.equal(model(input_ids=ids).logits, want)
+    finally:
+        for p, grad in zip(lora, before):
+            p.requires_grad_(grad)
+
+
 @pytest.mark.parametrize("logprobs", [False, True])
 def test_dropping_finished_rows_keeps_every_rows_stream(agents, logprobs):
     """Every row keeps its stream: tokens equal up to near ties, log-probs to float rounding (a smaller

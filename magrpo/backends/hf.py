@@ -348,25 +348,47 @@ class RowAdapters:
 
     def __init__(self, model: torch.nn.Module):
         from peft.tuners.lora import Linear, LoraLayer
+        from peft.tuners.tuners_utils import BaseTunerLayer
 
         self.model = model
-        layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
-        self.layers = layers if all(type(m) is Linear and not any(m.use_dora.values()) for m in layers) else []
+        tuned = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+        plain = all(type(m) is Linear and not any(m.use_dora.values()) for m in tuned)
+        self.layers = [m for m in tuned if isinstance(m, LoraLayer)] if plain else []
         self.slices: list[tuple[str, slice]] = []
 
     @contextmanager
     def active(self) -> Iterator[RowAdapters]:
+        """The base model runs with each LoRA layer's own switch off, and the hooks add each row's adapter.
+        The switch, not peft's `disable_adapter()`: that one checks every layer's status (walking the model
+        and printing each layer) at every call, ~0.01 s per generate call on a tiny model, paid again for
+        each resumed round of a tool-using turn; it also resets which adapter requires grad, which the
+        updater sets for itself. Merged weights keep peft's path (the switch alone would not unmerge them)."""
         if not self.layers:
             yield self
             return
-        with self.model.disable_adapter():
-            handles = [layer.register_forward_hook(partial(self._add_lora, self._weights(layer)))
-                       for layer in self.layers]
-            try:
+        if any(layer.merged for layer in self.layers):
+            with self.model.disable_adapter(), self._hooked():
                 yield self
-            finally:
-                for handle in handles:
-                    handle.remove()
+            return
+        switches = [layer._disable_adapters for layer in self.layers]
+        try:
+            for layer in self.layers:
+                layer._disable_adapters = True
+            with self._hooked():
+                yield self
+        finally:
+            for layer, switch in zip(self.layers, switches):
+                layer._disable_adapters = switch
+
+    @contextmanager
+    def _hooked(self) -> Iterator[None]:
+        handles = [layer.register_forward_hook(partial(self._add_lora, self._weights(layer)))
+                   for layer in self.layers]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
 
     def rows(self, adapters: Sequence[str]) -> dict:
         """Route the next forwards' rows to `adapters` (one name per row); returns the forward's extra
