@@ -1,6 +1,7 @@
 """Grouped advantage estimator for tree rollouts: pure functions over numpy arrays.
 
-1. Returns flow up the tree: G_j = r_j + gamma * mean(G of the child's joint actions); a leaf's G_j = r_j.
+1. Returns flow up the tree: G_j = r_j + gamma * mean(G of the child's joint actions); a leaf's G_j = r_j
+   (with trainer.early_termination_return=repeat, an early-stopped one's reward counts at every turn it skipped).
 2. Credit per agent: each of an agent's K completions at a node gets one value from the G's of
    the joint actions that contain it (align: exactly one; cross: K^(N-1) of them).
 3. Group = one agent's K completions at one node (group_by=node), or at every node of one turn
@@ -45,13 +46,16 @@ class AdvantageSettings:
     scale: str
     group_by: str
     team_weight: float
+    early_termination_return: str = "reward"  # reward | repeat (trainer.early_termination_return)
+    num_turns: int = 1  # T, for the turns an early-stopped branch skipped
 
     @classmethod
     def of(cls, cfg: Any) -> "AdvantageSettings":
         trainer = cfg.trainer
         return cls(estimator=trainer.advantage_estimator, discount=trainer.discount,
                    cross_credit=trainer.cross_credit, baseline=trainer.baseline, scale=trainer.advantage_scale,
-                   group_by=trainer.group_by, team_weight=cfg.reward.team_weight)
+                   group_by=trainer.group_by, team_weight=cfg.reward.team_weight,
+                   early_termination_return=trainer.early_termination_return, num_turns=trainer.num_turns)
 
 
 # name -> estimator(nodes, settings): fills node.returns / agent_returns / advantages / zero_std and
@@ -213,10 +217,12 @@ def tree_grpo(nodes: "list[Node]", settings: AdvantageSettings) -> np.ndarray:
     """MAGRPO-MT: returns up the tree (per agent too, with per-agent rewards and team_weight < 1), each
     completion credited from the joint actions containing it, grouped baselines per agent."""
     children = [node.children for node in nodes]
-    returns = tree_returns([node.rewards for node in nodes], children, settings.discount)
+    repeats = [early_repeats(node, settings) for node in nodes]
+    returns = tree_returns([node.rewards * r for node, r in zip(nodes, repeats)], children, settings.discount)
     own = agent_rewards_of(nodes, settings.team_weight)
     per_agent: list[np.ndarray | None] = [None] * len(nodes)
     if own is not None:  # every agent's returns flow up the tree from its own rewards
+        own = [o * r[:, None] for o, r in zip(own, repeats)]
         columns = [tree_returns([o[:, a] for o in own], children, settings.discount) for a in range(own[0].shape[1])]
         per_agent = [np.stack([column[m] for column in columns], axis=1) for m in range(len(nodes))]
     values = []
@@ -233,6 +239,17 @@ def tree_grpo(nodes: "list[Node]", settings: AdvantageSettings) -> np.ndarray:
         for m, adv, zero in zip(members, advantages, zero_std):
             nodes[m].advantages, nodes[m].zero_std = adv, zero
     return np.array([node.zero_std for node in nodes])
+
+
+def early_repeats(node: "Node", settings: AdvantageSettings) -> np.ndarray:
+    """(J,) how many times each joint action's reward counts in its return before the children's: 1, or
+    with early_termination_return=repeat, for a joint action early termination stopped at turn t,
+    1 + gamma + ... + gamma^(T-1-t) (its reward again at every turn it skipped, discounted as they would be)."""
+    width = len(node.rewards)
+    if settings.early_termination_return != "repeat" or node.early is None or not node.early.any():
+        return np.ones(width)
+    skipped = settings.num_turns - 1 - node.turn
+    return np.where(node.early, sum(settings.discount ** i for i in range(skipped + 1)), 1.0)
 
 
 def agent_rewards_of(nodes: "list[Node]", team_weight: float) -> list[np.ndarray] | None:

@@ -347,12 +347,14 @@ class TreeExpander:
             truncated = np.array([tree.stop_on_truncation and any(c.truncated for c in self.completion_info(node, j))
                                   for j in range(width)])
             stop = scores.failed[i] | done | truncated
+            early = np.zeros(width, dtype=bool)
             if tree.early_termination_threshold is not None:
-                stop |= node.rewards >= tree.early_termination_threshold
+                early = (node.rewards >= tree.early_termination_threshold) & ~stop
+                stop = stop | early
             # at the turn limit every joint action is a leaf anyway: nothing stopped it early
             if last:
-                stop, done, truncated = (np.zeros(width, dtype=bool) for _ in range(3))
-            node.terminated, node.done, node.truncated = stop, done, truncated
+                stop, done, truncated, early = (np.zeros(width, dtype=bool) for _ in range(4))
+            node.terminated, node.done, node.truncated, node.early = stop, done, truncated, early
             out.terminated += int(node.terminated.sum())
             node.children = [None] * width
             if last:

@@ -133,6 +133,7 @@ class Node:
     terminated: np.ndarray | None = None  # (J,) bool: stopped before the turn limit (any reason below, a failed score)
     done: np.ndarray | None = None  # (J,) bool: of those, the env ended the episode (Scored.done)
     truncated: np.ndarray | None = None  # (J,) bool: of those, trainer.stop_on_truncation (a chosen completion was cut)
+    early: np.ndarray | None = None  # (J,) bool: of those, stopped by early termination alone (the threshold)
     children: list[int | None] = field(default_factory=list)  # (J,) child node id or None (leaf)
     returns: np.ndarray | None = None  # (J,) from the team rewards
     agent_returns: np.ndarray | None = None  # (J, N) from each agent's mixed rewards (reward.team_weight < 1)

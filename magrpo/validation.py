@@ -9,7 +9,18 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Optional
 
-from .config import ENCODING_CHECKS, HISTORY_MODES, TrainConfig, above, at_least, check_finite, choice, flatten, under
+from .config import (
+    EARLY_TERMINATION_RETURNS,
+    ENCODING_CHECKS,
+    HISTORY_MODES,
+    TrainConfig,
+    above,
+    at_least,
+    check_finite,
+    choice,
+    flatten,
+    under,
+)
 from .errors import ConfigError
 from .registry import registry_hint
 
@@ -79,6 +90,7 @@ def validate(cfg: TrainConfig) -> None:
     if not 0 <= trainer.discount <= 1:
         raise ConfigError("trainer.discount", f"must be in [0, 1], got {trainer.discount}")
     choice("trainer.joint_mode", trainer.joint_mode, JOINT_MODES.names())
+    choice("trainer.early_termination_return", trainer.early_termination_return, EARLY_TERMINATION_RETURNS)
     try:
         parse_expand(trainer.expand)
     except ValueError as e:

@@ -30,6 +30,8 @@ GOOD = json.dumps({"task_id": "t/0", "prompt": "def f(x):\n",
 # (overrides, key named by the line, words the line must contain); {tmp} is the test's folder
 CASES = [
     (["env.train_size=0"], "env.train_size", [">= 1"]),
+    (["trainer.early_termination_return=twice"], "trainer.early_termination_return",
+     ["'twice' is not allowed", "reward, repeat"]),
     (["env.eval_size=0"], "env.eval_size", ["0 selects no eval problems", "eval.at_end=false"]),
     ([*CODE, "env.train_split='test[500:]'"], "env.train_split", ["'test[500:]' selects no train problems"]),
     ([*CODE, "env.eval_split='test[200:]'"], "env.eval_split", ["'test[200:]' selects no eval problems"]),

@@ -265,6 +265,26 @@ def test_assign_advantages_align_by_hand():
     assert zero.shape == (len(nodes), 2) and not zero.any()
 
 
+@pytest.mark.parametrize("how, turn1, root", [
+    # one problem, align K=2 N=2, T=3, gamma 0.5, threshold 2: every node's joints score [0, 2], joint 1 stops
+    # early at turns 0 and 1, joint 0 goes on. Turn 2 (leaves): G = [0, 2], mean 1.
+    # reward: turn 1 G = [0 + 0.5*1, 2] (mean 1.25); root G = [0 + 0.5*1.25, 2]
+    ("reward", [0.5, 2.0], [0.625, 2.0]),
+    # repeat: turn 1's stopped joint skipped 1 turn: 2 * (1 + 0.5) = 3 -> G = [0.5, 3] (mean 1.75);
+    # the root's skipped 2: 2 * (1 + 0.5 + 0.25) = 3.5 -> G = [0 + 0.5*1.75, 3.5]
+    ("repeat", [0.5, 3.0], [0.875, 3.5]),
+])
+def test_early_termination_return_by_hand(how, turn1, root):
+    rollout, *_ = run("align", 2, 3, 2, threshold=2.0, problems=PROBLEMS[:1])
+    nodes = rollout.nodes
+    assert [node.turn for node in nodes] == [0, 1, 2]
+    assign_advantages(nodes, advantage_settings(discount=0.5, early_termination_return=how, num_turns=3))
+    np.testing.assert_allclose(nodes[2].returns, [0.0, 2.0])
+    np.testing.assert_allclose(nodes[1].returns, turn1)
+    np.testing.assert_allclose(nodes[0].returns, root)
+    assert [list(node.early) for node in nodes] == [[False, True], [False, True], [False, False]]
+
+
 def test_assign_advantages_cross_by_hand():
     # one problem, cross K=2 N=2, T=2, gamma 1: joints (0,0),(0,1),(1,0),(1,1) score [0, 1, 1, 2]
     # leaves G = [0, 1, 1, 2], mean 1 -> root G = [1, 2, 2, 3]
