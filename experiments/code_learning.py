@@ -73,6 +73,7 @@ class Variant:
     agents: int
     turns: int
     feedback: str
+    extra: tuple[str, ...] = ()  # more train.py settings of this variant (key=value)
 
 
 VARIANTS = {

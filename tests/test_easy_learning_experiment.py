@@ -24,12 +24,24 @@ def test_every_variant_composes_on_the_easy_splits_with_the_methods_budget(exp, 
     sizes = exp.FULL
     for name in exp.VARIANT_NAMES:
         cfg = compose(exp.overrides(name, 1, sizes, tmp_path / name))
-        v = exp.shared.VARIANTS[name]
+        v = exp.VARIANTS[name]
         assert (cfg.env["dataset"], cfg.env["train_split"], cfg.env["eval_split"]) == ("easy", "train", "heldout")
         assert (cfg.env["num_agents"], cfg.trainer.num_turns, cfg.trainer.seed) == (v.agents, v.turns, 1)
         assert StopStrings.of(cfg).of_agent(0) == ("\n```\n", "\n\ndef")  # the first code block or function
         per_step = tree_size("align", sizes.k, v.agents, v.turns)[1] * cfg.trainer.batch_size
         assert per_step >= tree_size("align", sizes.k, 2, 2)[1] * sizes.batch_size, name
+
+
+def test_early_stop_is_the_method_plus_early_termination_and_is_not_run_by_default(exp, tmp_path):
+    from magrpo.cli import compose
+
+    method = exp.overrides(exp.METHOD, 0, exp.FULL, tmp_path)
+    early = exp.overrides(exp.EARLY_STOP, 0, exp.FULL, tmp_path)
+    assert sorted(early) == sorted(method + ["trainer.early_termination_threshold=2.1",
+                                             "trainer.early_termination_return=repeat"])
+    cfg = compose(early)
+    assert (cfg.trainer.early_termination_threshold, cfg.trainer.early_termination_return) == (2.1, "repeat")
+    assert exp.EARLY_STOP not in exp.GRID
 
 
 def test_runs_are_seed_major_so_a_stopped_experiment_has_whole_seeds(exp):
