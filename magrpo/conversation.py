@@ -165,3 +165,11 @@ def encode_markup(agent: Agent, text: str) -> list[int]:
 def encode_text(agent: Agent, text: str) -> list[int]:
     """Message content: plain characters, even where it spells a special token."""
     return list(agent.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]) if text else []
+
+
+def encode_texts(agent: Agent, texts: list[str]) -> list[list[int]]:
+    """encode_text of each text, in one tokenizer call (a round's tool messages)."""
+    if not any(texts):
+        return [[] for _ in texts]
+    ids = agent.tokenizer(texts, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    return [list(row) if text else [] for text, row in zip(texts, ids)]

@@ -34,7 +34,8 @@ from .tools import (
 )
 from .tree import Completion
 
-EncodeText = Callable[[int, str], list[int]]  # (agent, text) -> token ids, no special tokens
+# (agent, texts) -> each text's token ids, no special tokens: one tokenizer call for a round's messages
+EncodeText = Callable[[int, list[str]], list[list[int]]]
 # (agent, tool result) -> (text, token ids) of the chat template's own tool message; None: the plain format
 ToolMessage = Callable[[int, str], "tuple[str, list[int]] | None"]
 
@@ -157,12 +158,11 @@ def run_rounds(backend, turns: list[list[Turn]], params: SamplingParams, setting
                                 settings.max_output_chars, settings.max_concurrency,
                                 sessions=[turn.session for turn, _ in calling])
         stats.add(results)
+        messages = tool_message_ids([turn.request.agent for turn, _ in calling], [r.text for r in results],
+                                    encode_text, message)
         resume = []
-        for (turn, call), result in zip(calling, results):
+        for (turn, call), result, (text, tool_ids) in zip(calling, results, messages):
             turn.calls.append(call_record(call, result))
-            templated = message(turn.request.agent, result.text) if message is not None else None
-            text, tool_ids = templated or (response_text(result.text),
-                                           encode_text(turn.request.agent, response_text(result.text)))
             if len(turn.tokens()) + len(tool_ids) >= params.max_new_tokens:
                 continue  # no room left to read the result and answer: the turn ends at its call (never half a message)
             turn.segments.append((tool_ids, False))
@@ -174,6 +174,23 @@ def run_rounds(backend, turns: list[list[Turn]], params: SamplingParams, setting
                                    replace(params, max_new_tokens=max(budgets), resumable=round_ < settings.max_calls))
             for turn, budget, [c] in zip(resume, budgets, out):
                 turn.add_model(c, budget)
+
+
+def tool_message_ids(agents: list[int], outputs: list[str], encode_text: EncodeText,
+                     message: ToolMessage | None) -> list[tuple[str, list[int]]]:
+    """(text, token ids) of each call's tool message: the chat template's own where the agent's shows
+    tools, else the plain format, encoded in one call per agent."""
+    out: list[tuple[str, list[int]] | None] = [message(a, o) if message is not None else None
+                                              for a, o in zip(agents, outputs)]
+    plain: dict[int, list[int]] = {}  # agent -> indices of its plain messages
+    for i, (agent, templated) in enumerate(zip(agents, out)):
+        if templated is None:
+            plain.setdefault(agent, []).append(i)
+    for agent, rows in plain.items():
+        texts = [response_text(outputs[i]) for i in rows]
+        for i, text, ids in zip(rows, texts, encode_text(agent, texts)):
+            out[i] = (text, ids)
+    return out  # type: ignore[return-value]
 
 
 def call_record(call: ToolCall | CallError, result: ToolResult) -> dict:
@@ -193,9 +210,9 @@ def resume_request(turn: Turn, round_: int) -> GenerationRequest:
 
 def text_encoder(agents) -> EncodeText:
     """Tool messages as plain characters: a tool's output that spells `<|im_end|>` stays text."""
-    from .conversation import encode_text
+    from .conversation import encode_texts
 
-    return lambda agent, text: encode_text(agents[agent], text)
+    return lambda agent, texts: encode_texts(agents[agent], texts)
 
 
 class ToolBackend:

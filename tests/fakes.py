@@ -200,8 +200,12 @@ class ToolScriptBackend:
         self.calls: list[list] = []  # per generate call: its requests
 
     @staticmethod
-    def encode(agent: int, text: str) -> list[int]:
+    def ids(agent: int, text: str) -> list[int]:
         return [ord(c) for c in text]
+
+    @classmethod
+    def encode(cls, agent: int, texts: list[str]) -> list[list[int]]:  # the tool loop's EncodeText
+        return [cls.ids(agent, text) for text in texts]
 
     def generate(self, requests, params):
         self.generate_calls += 1
@@ -217,7 +221,7 @@ class ToolScriptBackend:
             text = text[: ends[0][0]] if ends else text
             if len(text) > params.max_new_tokens:
                 text, finished = text[: params.max_new_tokens], False
-            ids = self.encode(r.agent, text)
+            ids = self.ids(r.agent, text)
             out.append([Completion(ids, text, [len(r.prompt), *r.continuation], finished,
                                    [-0.5] * len(ids) if params.logprobs else None) for _ in range(r.n)])
         return out

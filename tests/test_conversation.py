@@ -248,3 +248,13 @@ def test_a_template_that_shows_tools_gets_each_result_as_its_own_tool_message(to
     assert tokenizer.decode(inserted, skip_special_tokens=False) == \
         "<|im_end|>\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
     assert "<tool_response>\n42\n</tool_response>" in turn.text and "<|im_start|>" not in turn.text
+
+
+def test_a_rounds_tool_messages_encode_in_one_call_as_they_do_one_by_one(chat_agents):
+    from magrpo.conversation import encode_text, encode_texts
+
+    agent = chat_agents[0]
+    texts = ["", "ok", "<tool_response>\n42\n</tool_response>", f"x{agent.tokenizer.eos_token}y", " é = 1", ""]
+    assert encode_texts(agent, texts) == [encode_text(agent, t) for t in texts]
+    assert encode_texts(agent, ["", ""]) == [[], []]
+    assert agent.tokenizer.eos_token_id not in encode_texts(agent, texts)[3]  # spelled, not the special token

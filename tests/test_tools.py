@@ -244,7 +244,7 @@ def test_a_call_is_run_its_result_spliced_in_masked_and_generation_resumes():
     [[c, *_]] = loop(backend, stats=stats)
     tool = response_text("42")
     assert c.text == CALC + tool + " So it is 42."
-    assert c.token_ids == ToolScriptBackend.encode(0, c.text) and c.finished
+    assert c.token_ids == ToolScriptBackend.ids(0, c.text) and c.finished
     # model_mask False exactly on the tool message's tokens; log-probs for model tokens only
     assert c.model_mask == [True] * len(CALC) + [False] * len(tool) + [True] * len(" So it is 42.")
     assert len(c.logprobs) == len(CALC) + len(" So it is 42.")
@@ -277,7 +277,7 @@ def test_resuming_a_turn_keeps_the_requests_own_continuation():
     generate_with_tools(backend, requests, SamplingParams(max_new_tokens=400), settings(), backend.encode, ToolStats())
     _, [resumed] = backend.calls
     assert resumed.continuation[:2] == (5, 6)  # a conversation's earlier turns, then this turn's tokens
-    assert resumed.continuation[2:] == tuple(ToolScriptBackend.encode(0, CALC + response_text("42")))
+    assert resumed.continuation[2:] == tuple(ToolScriptBackend.ids(0, CALC + response_text("42")))
 
 
 def test_all_branches_resume_in_one_generate_call_on_streams_of_their_own():
@@ -322,7 +322,7 @@ def test_the_turn_never_exceeds_its_token_budget(max_new_tokens):
     backend = ToolScriptBackend([CALC, " So it is 42, as the calculator says."])
     [[c, *_]] = loop(backend, max_new_tokens=max_new_tokens)
     assert len(c.token_ids) <= max_new_tokens and not c.finished
-    assert c.token_ids == ToolScriptBackend.encode(0, c.text)  # a tool message is whole or absent
+    assert c.token_ids == ToolScriptBackend.ids(0, c.text)  # a tool message is whole or absent
     if len(CALC) + len(response_text("42")) >= max_new_tokens:  # no room to read the result: ends at its call
         assert c.text == CALC and c.model_mask is None and backend.generate_calls == 1
     else:
