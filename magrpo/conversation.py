@@ -164,11 +164,12 @@ def encode_markup(agent: Agent, text: str) -> list[int]:
 
 def encode_text(agent: Agent, text: str) -> list[int]:
     """Message content: plain characters, even where it spells a special token."""
-    return list(agent.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]) if text else []
+    return encode_texts(agent, [text])[0]
 
 
 def encode_texts(agent: Agent, texts: list[str]) -> list[list[int]]:
-    """encode_text of each text, in one tokenizer call (a round's tool messages)."""
+    """encode_text of each text, in one tokenizer call (a round's tool messages): plain characters,
+    even where a text spells a special token."""
     if not any(texts):
         return [[] for _ in texts]
     ids = agent.tokenizer(texts, add_special_tokens=False, split_special_tokens=True)["input_ids"]

@@ -255,6 +255,9 @@ def test_a_rounds_tool_messages_encode_in_one_call_as_they_do_one_by_one(chat_ag
 
     agent = chat_agents[0]
     texts = ["", "ok", "<tool_response>\n42\n</tool_response>", f"x{agent.tokenizer.eos_token}y", " é = 1", ""]
-    assert encode_texts(agent, texts) == [encode_text(agent, t) for t in texts]
+    one_by_one = [list(agent.tokenizer(t, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+                  if t else [] for t in texts]  # the tokenizer itself, text by text
+    assert encode_texts(agent, texts) == one_by_one
+    assert [encode_text(agent, t) for t in texts] == one_by_one
     assert encode_texts(agent, ["", ""]) == [[], []]
     assert agent.tokenizer.eos_token_id not in encode_texts(agent, texts)[3]  # spelled, not the special token
