@@ -92,9 +92,11 @@ def test_two_seeded_runs_are_identical(reference, tmp_path):
     assert comparable(tmp_path / "again") == (rollouts, metrics)
 
 
-def wait_for(path, proc, timeout=300):
+def wait_for(path, proc, timeout=300, written=False):
+    """Until `path` exists (with `written`: holds something; the run creates metrics.jsonl empty at
+    start-up, before its SIGTERM handler is installed, and writes its first record after that)."""
     deadline = time.monotonic() + timeout
-    while not path.exists():
+    while not path.exists() or (written and path.stat().st_size == 0):
         assert proc.poll() is None, proc.communicate()[1]
         assert time.monotonic() < deadline, f"{path} never appeared"
         time.sleep(0.05)
@@ -117,7 +119,7 @@ def test_sigkill_then_resume_auto_matches_the_uninterrupted_run(reference, tmp_p
 def test_sigterm_writes_a_checkpoint_and_resume_continues(reference, tmp_path):
     run = tmp_path / "stopped"
     proc = start(run, "checkpoint.every=0")  # only the signal writes one
-    wait_for(run / "metrics.jsonl", proc)
+    wait_for(run / "metrics.jsonl", proc, written=True)  # a signal before the handler would just kill it
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 128 + signal.SIGTERM, err  # not 0: a scheduler must not read it as done
