@@ -16,7 +16,7 @@ import concurrent.futures
 import inspect
 import threading
 from dataclasses import dataclass
-from functools import partial
+from functools import lru_cache, partial
 from typing import Any, Callable, Coroutine, Mapping, Sequence
 
 CONTEXT = "context"  # the keyword-only parameter through which a function tool asks for its ToolContext
@@ -31,10 +31,24 @@ class ToolContext:
 def takes_context(fn: Callable[..., Any]) -> bool:
     """True when `fn` declares a keyword-only `context` parameter (never part of its schema)."""
     try:
-        parameter = inspect.signature(fn).parameters.get(CONTEXT)
+        parameter = signature(fn).parameters.get(CONTEXT)
     except (TypeError, ValueError):  # a builtin without a signature
         return False
     return parameter is not None and parameter.kind is inspect.Parameter.KEYWORD_ONLY
+
+
+def signature(fn: Callable[..., Any]) -> inspect.Signature:
+    """fn's signature, read once per hashable callable (a tool's arguments are checked against it at
+    every call); an unhashable one's is read each time."""
+    try:
+        return _cached_signature(fn)
+    except TypeError:
+        return inspect.signature(fn)  # raises TypeError itself for a builtin without a signature
+
+
+@lru_cache(maxsize=256)
+def _cached_signature(fn: Callable[..., Any]) -> inspect.Signature:
+    return inspect.signature(fn)
 
 
 def is_stateful(obj: Any) -> bool:

@@ -13,13 +13,14 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from .config import choice
 from .errors import ConfigError
 from .registry import Registry
-from .tool_state import CONTEXT, Session, invoke, is_stateful, release_all, run_coroutine, takes_context
+from .tool_state import CONTEXT, Session, invoke, is_stateful, release_all, run_coroutine, signature, takes_context
 
 CALL_START, CALL_END = "<tool_call>", "</tool_call>"
 RESPONSE_START, RESPONSE_END = "<tool_response>\n", "\n</tool_response>\n"
@@ -199,10 +200,7 @@ async def _run_all(calls, sessions: Sequence[Session], by_name: dict[str, Tool],
 
     async def one(call, session: Session) -> ToolResult:
         async with limit:
-            loop = asyncio.get_running_loop()
-            start = loop.time()
             result = await _run_one(call, session, by_name, timeout_s)
-            result.seconds = loop.time() - start
         return cap(result, max_output_chars)
 
     return list(await asyncio.gather(*(one(c, s) for c, s in zip(calls, sessions))))
@@ -223,22 +221,29 @@ async def _run_one(call: ToolCall | CallError, session: Session, by_name: dict[s
         arguments[CONTEXT] = session.context
     handle = () if tool.state is None else (None,)  # a stateful tool's execute takes the handle first
     try:
-        inspect.signature(tool.fn).bind(*handle, **arguments)
+        signature(tool.fn).bind(*handle, **arguments)
     except TypeError as e:
         return ToolResult(f"error: bad arguments for {call.name!r}: {e}", "bad_arguments")
+    spent: list[float] = []
 
     async def execute() -> Any:  # a stateful tool's create counts against the call's timeout too
-        if tool.state is None:
-            return await invoke(tool.fn, **arguments)
-        return await invoke(tool.fn, await session.handle(tool.name, tool.state), **arguments)
+        # The call's own seconds: from when it starts running to when it ends (or is cancelled at its
+        # timeout), not the time the round's other calls take in between on the same event loop.
+        start = time.perf_counter()
+        try:
+            if tool.state is None:
+                return await invoke(tool.fn, **arguments)
+            return await invoke(tool.fn, await session.handle(tool.name, tool.state), **arguments)
+        finally:
+            spent.append(time.perf_counter() - start)
 
     try:
         output = await asyncio.wait_for(execute(), timeout_s)
     except asyncio.TimeoutError:
-        return ToolResult(f"error: {call.name!r} timed out after {timeout_s:g} s", "timeout")
+        return ToolResult(f"error: {call.name!r} timed out after {timeout_s:g} s", "timeout", sum(spent))
     except Exception as e:  # noqa: BLE001  (a tool's own failure is the model's to see, not the run's)
-        return ToolResult(f"error: {call.name!r} raised {type(e).__name__}: {e}", "raised")
-    return ToolResult(output if isinstance(output, str) else str(output))
+        return ToolResult(f"error: {call.name!r} raised {type(e).__name__}: {e}", "raised", sum(spent))
+    return ToolResult(output if isinstance(output, str) else str(output), None, sum(spent))
 
 
 def cap(result: ToolResult, max_output_chars: int) -> ToolResult:

@@ -185,6 +185,21 @@ def test_max_concurrency_bounds_the_calls_in_flight():
     assert [r.text for r in results] == ["ok"] * 6 and peak[0] <= 2
 
 
+def test_a_calls_seconds_are_its_own_not_the_time_its_round_took_around_it():
+    """tools/seconds sums each call's own time. An async tool that blocks the event loop for 0.3 s delays
+    every other call of the round; an instant call next to it still ran for almost nothing."""
+    async def hog() -> str:
+        time.sleep(0.3)  # blocks the loop (a badly written async tool)
+        return "done"
+
+    async def instant() -> str:
+        return "ok"
+
+    slow, quick = run([ToolCall("hog", {}), ToolCall("instant", {})], function_tool(hog), function_tool(instant))
+    assert slow.seconds >= 0.3
+    assert quick.seconds < 0.1, quick.seconds
+
+
 def test_stats_count_calls_and_errors_by_kind():
     stats = ToolStats()
     stats.add(run([ToolCall("calculator", {"expression": "1"}), ToolCall("nope", {}), ToolCall("nope", {})]))
