@@ -130,13 +130,13 @@ def test_a_stop_string_in_the_eos_tokens_own_text_does_not_count():
 def test_the_stop_check_decodes_only_rows_whose_newest_token_can_complete_a_stop_string():
     import torch
 
-    from magrpo.backends.hf import stopped_rows
+    from magrpo.backends.hf import StopCheck
 
     tok = pieces_tokenizer({1: "x", 2: "</c", 3: ">y", 4: "  "})
     new = torch.tensor([[1, 2, 3], [2, 1, 1], [3, 3, 2]])
-    assert stopped_rows(tok, [("</c>",)] * 3, torch.arange(3), new).tolist() == [True, False, False]
+    assert StopCheck(tok, [("</c>",)] * 3)(torch.arange(3), new).tolist() == [True, False, False]
     assert tok.decoded_rows == 1  # only row 0 ends in a token holding ">"
-    assert stopped_rows(tok, [("c  ",)] * 3, torch.arange(3), torch.tensor([[2, 4], [1, 4], [1, 1]])).tolist() == [
+    assert StopCheck(tok, [("c  ",)] * 3)(torch.arange(3), torch.tensor([[2, 4], [1, 4], [1, 1]])).tolist() == [
         True, False, False]
     assert tok.decoded_rows == 4  # a stop string ending in whitespace: every row is decoded
 
@@ -159,7 +159,7 @@ def test_the_stop_checks_shortcuts_agree_with_decoding_every_tail_on_a_real_toke
     import torch
     from transformers import AutoTokenizer
 
-    from magrpo.backends.hf import stop_position, stopped_rows
+    from magrpo.backends.hf import StopCheck, stop_position
     from magrpo.tiny import TinySpec, tiny_model_path
 
     tok = AutoTokenizer.from_pretrained(tiny_model_path(TinySpec()))
@@ -174,9 +174,10 @@ def test_the_stop_checks_shortcuts_agree_with_decoding_every_tail_on_a_real_toke
     new = torch.tensor(rows)
     written = [tok.decode(new[r, 10:12].tolist()) for r in range(6)]
     stops = [(")",), ("</tool_call>",), ("\n\n",), ("é",), (written[0], "x"), (written[1],)] * 8
+    check = StopCheck(tok, stops)  # one per decode call, as in the backend
     first, expected = [None] * 48, [None] * 48  # per row, the step at which it stops (the decode loop's use)
     for step in range(1, new.shape[1] + 1):
-        for r, (got, want) in enumerate(zip(stopped_rows(tok, stops, torch.arange(48), new[:, :step]).tolist(),
+        for r, (got, want) in enumerate(zip(check(torch.arange(48), new[:, :step]).tolist(),
                                             brute_stopped(tok, stops, new[:, :step]))):
             first[r] = first[r] or (step if got else None)
             expected[r] = expected[r] or (step if want else None)

@@ -116,3 +116,23 @@ def test_kept_caches_go_with_the_next_call_or_sleep(agents):
     backend.generate(REQUESTS, params)
     backend.generate(REQUESTS[:1], replace(params, resumable=False))
     assert len(backend.kept) == 0
+
+
+def test_rows_that_pause_early_resume_from_the_states_they_left_with(agents):
+    """Rows that stop at a pause string before the others leave the decode early (a quarter of the batch
+    at a time), each group keeping its own copy of its states; resumed with new tokens after them, every
+    row gets the tokens of a backend that prefills it whole."""
+    backend = HFBackend(agents)
+    params = SamplingParams(max_new_tokens=12, greedy=True)
+    texts = [c.text for cs in backend.generate(REQUESTS, params) for c in cs]
+    pause = max(set("".join(texts)), key=lambda ch: sum(ch in t[:8] for t in texts))  # written early by most rows
+    out = backend.generate(REQUESTS, replace(params, stop=(pause,), resumable=True))
+    batches = {id(state.batch) for states in backend.kept.by_agent.values() for state in states.values()}
+    assert len(batches) > 1  # states left the decode at different steps
+    resumed = [replace(r, n=1, seed=None, continuation=(*c.token_ids, 7, 8)) for r, cs in zip(REQUESTS, out)
+               for c in cs if not c.finished]
+    assert len({(r.agent, r.continuation) for r in resumed}) == len(backend.kept) > 2  # greedy twins share one
+    short = replace(params, max_new_tokens=6)
+    got = backend.generate(resumed, short)
+    want = HFBackend(agents).generate(resumed, short)
+    assert [[c.token_ids for c in cs] for cs in got] == [[c.token_ids for c in cs] for cs in want]

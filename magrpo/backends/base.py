@@ -51,13 +51,14 @@ def encode_requests(
     agents: Sequence, requests: Sequence[GenerationRequest], ids: Sequence[int]
 ) -> dict[int, list[int]]:
     """Prompt token ids of requests[i] for i in ids, as the trainer will see them: one tokenizer call
-    per agent (its chat template applied), then the request's `continuation`. Every backend sends
-    these ids, so `Completion.prompt_ids` are exactly what the update scores."""
-    by_agent: dict[int, list[int]] = {}
-    for r in ids:
-        by_agent.setdefault(requests[r].agent, []).append(r)
+    per agent for its distinct prompts (its chat template applied), then the request's `continuation`.
+    Every backend sends these ids, so `Completion.prompt_ids` are exactly what the update scores."""
+    by_agent: dict[int, dict[str, list[int]]] = {}  # agent -> prompt -> the requests asking it (a tool round's
+    for r in ids:                                   # resumed samples share their node's prompt)
+        by_agent.setdefault(requests[r].agent, {}).setdefault(requests[r].prompt, []).append(r)
     out = {}
-    for agent, rs in by_agent.items():
-        for r, tokens in zip(rs, agents[agent].encode_prompts([requests[r].prompt for r in rs])):
-            out[r] = tokens + list(requests[r].continuation)
+    for agent, prompts in by_agent.items():
+        for rs, tokens in zip(prompts.values(), agents[agent].encode_prompts(list(prompts))):
+            for r in rs:
+                out[r] = tokens + list(requests[r].continuation)
     return out

@@ -22,7 +22,7 @@ from ..models import Agent, cache_keyword
 from ..sampling import sample, sampling_logprobs, stream_key, stream_uniforms
 from ..tree import Completion
 from .base import encode_requests
-from .hf_resume import KeptStates, RowState, plain_layers, resumed_inputs, row_layers
+from .hf_resume import KeptBatch, KeptStates, RowState, kept_batch, plain_layers, resumed_inputs
 
 
 class HFBackend:
@@ -105,7 +105,7 @@ class HFBackend:
             pad_id=tok.pad_token_id,
             eos_ids=eos,
             routing=self._routing(model),
-            stop=partial(stopped_rows, tok, stops) if any(stops) else None,
+            stop=StopCheck(tok, stops) if any(stops) else None,
             kept=[kept.find(requests[r].agent, prompt_ids[r]) for r in unique] if len(kept) else None,
             keep_states=params.resumable,
         )
@@ -129,18 +129,18 @@ class HFBackend:
             )
         return completions
 
-    def _keep(self, agent: int, tokens: list[int], layers) -> None:
+    def _keep(self, agent: int, tokens: list[int], where: tuple[KeptBatch, int]) -> None:
         """Keep a paused row's keys and values of `tokens` (its last sampled token was never fed, so
         the next call feeds it first)."""
-        if all(keys.shape[1] >= len(tokens) for keys, _ in layers):
-            self.kept.keep(agent, RowState(tuple(tokens), tuple((k[:, : len(tokens)], v[:, : len(tokens)])
-                                                                 for k, v in layers)))
+        batch, row = where
+        if batch.lengths[row] >= len(tokens):
+            self.kept.keep(agent, RowState(tuple(tokens), batch, row))
 
 
 class Decoded(NamedTuple):
     tokens: torch.Tensor  # (rows, steps) new token ids, pad after EOS
     logprobs: torch.Tensor | None  # (rows, steps) their sampling log-probs, when asked
-    states: dict[int, tuple] | None  # with `keep_states`: per row without EOS, its keys and values per layer
+    states: dict[int, tuple[KeptBatch, int]] | None  # with `keep_states`: per row without EOS, where its states are
 
 
 def row_keys(request: GenerationRequest) -> list[int]:
@@ -155,39 +155,50 @@ def stop_window(stop: Sequence[str]) -> int:
     return max(len(s) for s in stop) + 1
 
 
-def stopped_rows(tokenizer, stops: Sequence[Sequence[str]], rows: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-    """(rows,) bool: batch row rows[i], whose tokens so far are new[i], ends in one of its stop strings
-    `stops[rows[i]]` (checking the last few tokens each step finds the first one). Only rows whose
-    newest token can complete one are decoded (`may_complete`): decoding every row's tail at every
-    step was most of a tool turn's stop-string cost."""
-    rows = rows.tolist()
-    window = max((stop_window(stops[r]) for r in rows if stops[r]), default=0)
-    out = torch.zeros(len(rows), dtype=torch.bool)
-    if not window:
+class StopCheck:
+    """Which batch rows end in one of their stop strings: called with batch rows (rows[i] an index into
+    `stops`) and their tokens so far new[i], once per step (checking the last few tokens each step
+    finds the first one). Only rows whose newest token can complete a stop string are decoded:
+    decoding every row's tail at every step was most of a tool turn's stop-string cost. A stop string
+    that ends in a printable ASCII character c first shows up in a tail's text at a token whose own
+    text holds c (byte-level and SentencePiece tokenizers alike: c is one byte, in that token); one that
+    ends in anything else (whitespace, which a lone token may decode without; a multi-byte character,
+    split over tokens) can be completed by any token, and then every row is decoded."""
+
+    def __init__(self, tokenizer, stops: Sequence[Sequence[str]]):
+        self.tokenizer, self.stops = tokenizer, stops
+        every = {s for row in stops for s in row if s}
+        self.window = stop_window(every) if every else 0
+        self.ends = {s[-1] for s in every}
+        printable = all(c.isascii() and c.isprintable() and not c.isspace() for c in self.ends)
+        self.known = completing(tokenizer, frozenset(self.ends)) if printable else None
+
+    def __call__(self, rows: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(len(rows), dtype=torch.bool)
+        if not self.window:
+            return out
+        newest = new[:, -1].tolist()
+        if self.known is None:
+            check = list(range(len(newest)))
+        else:
+            known = self.known
+            check = [i for i, t in enumerate(newest) if (k := known.get(t)) or (k is None and self._learn(t))]
+        if check:
+            rows = rows.tolist()
+            tails = self.tokenizer.batch_decode(new[check, -self.window :].tolist())
+            out[check] = torch.tensor([any(s in text for s in self.stops[rows[i]]) for i, text in zip(check, tails)])
         return out
-    check = may_complete(tokenizer, [s for r in set(rows) for s in stops[r]], new[:, -1].tolist())
-    if check:
-        tails = tokenizer.batch_decode(new[check, -window:].tolist())
-        out[check] = torch.tensor([any(s in text for s in stops[rows[i]]) for i, text in zip(check, tails)])
-    return out
+
+    def _learn(self, token: int) -> bool:
+        self.known[token] = any(c in self.tokenizer.decode([token]) for c in self.ends)
+        return self.known[token]
 
 
-def may_complete(tokenizer, stop: Sequence[str], newest: list[int]) -> list[int]:
-    """Indices i of the tokens `newest[i]` that can complete one of `stop`. A stop string that ends in
-    a printable ASCII character c first shows up in a tail's text at a token whose own text holds c
-    (byte-level and SentencePiece tokenizers alike: c is one byte, in that token); one that ends in
-    anything else (whitespace, which a lone token may decode without; a multi-byte character, split
-    over tokens) can be completed by any token."""
-    ends = {s[-1] for s in stop if s}
-    if not all(c.isascii() and c.isprintable() and not c.isspace() for c in ends):
-        return list(range(len(newest)))
-    return [i for i, token in enumerate(newest) if any(c in token_text(tokenizer, token) for c in ends)]
-
-
-@lru_cache(maxsize=1 << 16)
-def token_text(tokenizer, token: int) -> str:
-    """One token's text on its own (special tokens included, as the tail decode sees them)."""
-    return tokenizer.decode([token])
+@lru_cache(maxsize=64)
+def completing(tokenizer, ends: frozenset[str]) -> dict[int, bool]:
+    """Per tokenizer and stop-string endings: token -> whether its own text (special tokens included,
+    as a tail's decode shows them) holds one of `ends`; filled as tokens are met, kept across calls."""
+    return {}
 
 
 def stop_position(tokenizer, stop: Sequence[str], ids: list[int]) -> int | None:
@@ -324,16 +335,21 @@ def decode(
 
 
 def row_states(cache, batch_rows: torch.Tensor, alive: torch.Tensor, attention: torch.Tensor, new: torch.Tensor,
-               eos: torch.Tensor) -> dict[int, tuple]:
-    """Row alive[i]'s keys and values for each i in `batch_rows` whose tokens hold no EOS: every column
-    its attention mask marks (the prompt, then each token fed so far); nothing for a cache of another
-    layout."""
+               eos: torch.Tensor) -> dict[int, tuple[KeptBatch, int]]:
+    """Where row alive[i]'s keys and values are, for each i in `batch_rows` whose tokens hold no EOS:
+    (a KeptBatch of those rows, its row); nothing for a cache of another layout."""
     layers = plain_layers(cache)
     if layers is None:
         return {}
     wrote_eos = torch.isin(new[alive[batch_rows]], eos).any(-1).tolist()  # one look for all rows (one GPU sync)
-    return {int(alive[i]): row_layers(layers, i, attention[i].nonzero().squeeze(-1))
-            for i, ended in zip(batch_rows.tolist(), wrote_eos) if not ended}
+    rows = [i for i, ended in zip(batch_rows.tolist(), wrote_eos) if not ended]
+    if not rows:
+        return {}
+    if len(batch_rows) == len(alive):  # the decode's end: its cache as it is, EOS rows and all (no copy)
+        batch, at = kept_batch(layers, attention), rows
+    else:  # rows leaving a decode that goes on: a copy of theirs
+        batch, at = kept_batch(layers, attention, torch.tensor(rows, device=attention.device)), range(len(rows))
+    return {row: (batch, j) for row, j in zip(alive[rows].tolist(), at)}
 
 
 class RowAdapters:

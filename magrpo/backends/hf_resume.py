@@ -6,6 +6,11 @@ than the decoding itself when segments are short, so a call with `SamplingParams
 keys and values of each row it leaves unfinished, and the next call prefills only the new tokens (the
 last sampled token, the tool message) on top of them, batched over all resumed rows.
 
+States are kept a batch at a time (`KeptBatch`: the decode's own cache tensors, or one selection of
+rows when some leave early) and gathered back in one indexing per layer: copying each row out and
+back in, layer by layer, cost as much as a decode step per round on a CPU and one kernel launch per
+row and layer on a GPU.
+
 A state lives for one call: the next generate call takes those whose tokens begin a request's prompt
 ids and drops the rest, and `sleep` drops them all before the update, so a row whose turn ended, or
 that was not resumed, holds no memory past the next call.
@@ -17,10 +22,20 @@ from dataclasses import dataclass
 import torch
 
 
+@dataclass(frozen=True, eq=False)
+class KeptBatch:
+    """Keys and values of some rows of one decode, laid out as its cache held them."""
+
+    layers: tuple[tuple[torch.Tensor, torch.Tensor], ...]  # per layer (keys, values), each (rows, heads, L, dim)
+    attended: torch.Tensor  # (rows, L) bool: each row's attended columns (its prompt, then each token fed)
+    lengths: tuple[int, ...]  # per row, how many columns it attends to
+
+
 @dataclass(frozen=True)
 class RowState:
     tokens: tuple[int, ...]  # the ids these keys and values are of: the prompt, then the completion but its last token
-    layers: tuple[tuple[torch.Tensor, torch.Tensor], ...]  # per layer (keys, values), each (heads, len(tokens), dim)
+    batch: KeptBatch  # where they are: the first len(tokens) attended columns of row `row`
+    row: int
 
 
 class KeptStates:
@@ -55,10 +70,16 @@ def plain_layers(cache) -> list | None:
     return layers if layers and all(type(layer) is DynamicLayer for layer in layers) else None
 
 
-def row_layers(layers: list, row: int, columns: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
-    """Row `row`'s keys and values at `columns` (its attended positions, in order), copied out of the
-    batch's cache so that the batch's own tensors can go."""
-    return tuple((layer.keys[row][:, columns], layer.values[row][:, columns]) for layer in layers)
+def kept_batch(layers: list, attention: torch.Tensor, rows: torch.Tensor | None = None) -> KeptBatch:
+    """Rows `rows` of a decode's cache layers, with their attention masks: one selection per layer;
+    None: every row, the cache's own tensors (a decode that has ended never writes them again)."""
+    if rows is None:
+        kept = tuple((layer.keys, layer.values) for layer in layers)
+    else:
+        kept = tuple((layer.keys[rows], layer.values[rows]) for layer in layers)
+        attention = attention[rows]
+    attended = attention.bool()
+    return KeptBatch(kept, attended, tuple(attended.sum(-1).tolist()))
 
 
 def resumed_inputs(prompts: list[list[int]], states: list[RowState | None], pad_id: int, config,
@@ -76,16 +97,32 @@ def resumed_inputs(prompts: list[list[int]], states: list[RowState | None], pad_
     fresh = [p[n:] for p, n in zip(prompts, kept)]
     width, new = max(kept), max(len(f) for f in fresh)
     ids = torch.tensor([[pad_id] * (new - len(f)) + f for f in fresh], device=device)
-    attention = torch.tensor([[0] * (width - n) + [1] * n + [0] * (new - len(f)) + [1] * len(f)
-                              for n, f in zip(kept, fresh)], device=device)
+    columns = torch.arange(width + new, device=device)
+    kept_t = torch.tensor(kept, device=device)[:, None]
+    fresh_t = torch.tensor([len(f) for f in fresh], device=device)[:, None]
+    attention = (((columns >= width - kept_t) & (columns < width)) | (columns >= width + new - fresh_t)).long()
     some = next(s for s in states if s is not None)
+    layers = [[torch.zeros(len(prompts), *keys.shape[1:2], width, keys.shape[-1], dtype=keys.dtype, device=device)
+               for _ in range(2)] for keys, _ in some.batch.layers]
+    by_batch: dict[int, tuple[KeptBatch, list[int]]] = {}
+    for j, state in enumerate(states):
+        if state is not None:
+            by_batch.setdefault(id(state.batch), (state.batch, []))[1].append(j)
+    for batch, dest in by_batch.values():
+        source = torch.tensor([states[j].row for j in dest], device=device)
+        n = torch.tensor([kept[j] for j in dest], device=device)[:, None]
+        # Column c of destination row j holds attended column c - (width - n_j) of its source row.
+        attended_first = torch.argsort((~batch.attended[source]).to(torch.int8), dim=-1, stable=True)
+        t = torch.arange(width, device=device)[None, :] - (width - n)
+        valid = (t >= 0)[:, None, :, None]
+        picked = attended_first.gather(1, t.clamp(min=0))[:, None, :, None]
+        dest_t = torch.tensor(dest, device=device)
+        for padded, pair in zip(layers, batch.layers):
+            for tensor, part in zip(padded, pair):
+                part = part[source]
+                gathered = part.gather(2, picked.expand(-1, part.shape[1], -1, part.shape[-1]))
+                tensor[dest_t] = torch.where(valid, gathered, torch.zeros((), dtype=part.dtype, device=device))
     cache = DynamicCache(config=config)
-    for i, (keys, _) in enumerate(some.layers):
-        heads, _, dim = keys.shape
-        padded = [torch.zeros(len(prompts), heads, width, dim, dtype=keys.dtype, device=device) for _ in range(2)]
-        for j, (state, n) in enumerate(zip(states, kept)):
-            if state is not None:
-                for tensor, part in zip(padded, state.layers[i]):
-                    tensor[j, :, width - n :] = part
-        cache.update(*padded, i)
+    for i, (keys, values) in enumerate(layers):
+        cache.update(keys, values, i)
     return ids, attention, cache
