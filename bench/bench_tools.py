@@ -14,7 +14,9 @@ Per mode it prints the median seconds per step (the first step of each run warms
 with the 10th-90th percentile spread over --repeats runs, the tools' own seconds per step
 (`tools/seconds`, summed over calls: an upper bound on their wall time, since a round's calls overlap),
 generate calls per step, tool calls per completion, and the ratio (step with tools - tool seconds) /
-step without. It asserts nothing. Run it on an otherwise idle machine.
+step without: over all runs, then run by run (each run with tools against the run without just
+before it, so that the machine's drift between runs cancels; its median and range are the figures to
+compare between versions). It asserts nothing. Run it on an otherwise idle machine.
 
     python bench/bench_tools.py                           # tiny model, 3 runs per mode of 4 steps
     python bench/bench_tools.py --calls 3 --segment 8 --repeats 5 --extra trainer.batch_size=8
@@ -171,7 +173,17 @@ def main(argv=None) -> int:
     on, off = results[True], results[False]
     ratio = (statistics.median(on["step"]) - statistics.median(on["tools"])) / statistics.median(off["step"])
     print(f"ratio (step with tools - tool seconds) / step without: {ratio:.2f} (target <= ~1.3)")
+    if args.repeats > 1:  # each run with tools against the run without just before it: the machine's drift cancels
+        per_run = args.steps - 1 if args.steps > 1 else 1
+        pairs = [pair_ratio(off["step"][i : i + per_run], on["step"][i : i + per_run], on["tools"][i : i + per_run])
+                 for i in range(0, len(off["step"]), per_run)]
+        print(f"the same ratio run by run: median {statistics.median(pairs):.2f} (min {min(pairs):.2f}, max "
+              f"{max(pairs):.2f}): {', '.join(f'{r:.2f}' for r in pairs)}")
     return 0
+
+
+def pair_ratio(off_steps: list[float], on_steps: list[float], tool_seconds: list[float]) -> float:
+    return (statistics.median(on_steps) - statistics.median(tool_seconds)) / statistics.median(off_steps)
 
 
 if __name__ == "__main__":

@@ -101,27 +101,34 @@ def resumed_inputs(prompts: list[list[int]], states: list[RowState | None], pad_
     kept_t = torch.tensor(kept, device=device)[:, None]
     fresh_t = torch.tensor([len(f) for f in fresh], device=device)[:, None]
     attention = (((columns >= width - kept_t) & (columns < width)) | (columns >= width + new - fresh_t)).long()
-    some = next(s for s in states if s is not None)
-    layers = [[torch.zeros(len(prompts), *keys.shape[1:2], width, keys.shape[-1], dtype=keys.dtype, device=device)
-               for _ in range(2)] for keys, _ in some.batch.layers]
     by_batch: dict[int, tuple[KeptBatch, list[int]]] = {}
     for j, state in enumerate(states):
         if state is not None:
             by_batch.setdefault(id(state.batch), (state.batch, []))[1].append(j)
+    # The usual round: every row resumes from one decode's states, and what is gathered is the cache.
+    one_source = len(by_batch) == 1 and len(next(iter(by_batch.values()))[1]) == len(states)
+    layers: list[list[torch.Tensor | None]] = [[None, None] for _ in next(iter(by_batch.values()))[0].layers]
     for batch, dest in by_batch.values():
-        source = torch.tensor([states[j].row for j in dest], device=device)
+        rows = [states[j].row for j in dest]
+        source = torch.tensor(rows, device=device)
+        in_order = rows == list(range(batch.attended.shape[0]))  # the batch's rows as they were: no selection
         n = torch.tensor([kept[j] for j in dest], device=device)[:, None]
         # Column c of destination row j holds attended column c - (width - n_j) of its source row.
         attended_first = torch.argsort((~batch.attended[source]).to(torch.int8), dim=-1, stable=True)
         t = torch.arange(width, device=device)[None, :] - (width - n)
-        valid = (t >= 0)[:, None, :, None]
+        valid = (t >= 0)[:, None, :, None]  # left of the state: padding, zeros as in a fresh cache
         picked = attended_first.gather(1, t.clamp(min=0))[:, None, :, None]
         dest_t = torch.tensor(dest, device=device)
         for padded, pair in zip(layers, batch.layers):
-            for tensor, part in zip(padded, pair):
-                part = part[source]
-                gathered = part.gather(2, picked.expand(-1, part.shape[1], -1, part.shape[-1]))
-                tensor[dest_t] = torch.where(valid, gathered, torch.zeros((), dtype=part.dtype, device=device))
+            for side, part in enumerate(pair):
+                part = part if in_order else part[source]
+                gathered = part.gather(2, picked.expand(-1, part.shape[1], -1, part.shape[-1])).masked_fill_(~valid, 0)
+                if one_source:
+                    padded[side] = gathered
+                else:  # rows from several decodes, or prefilled whole (zeros: attended to by none)
+                    if padded[side] is None:
+                        padded[side] = part.new_zeros(len(prompts), part.shape[1], width, part.shape[-1])
+                    padded[side][dest_t] = gathered
     cache = DynamicCache(config=config)
     for i, (keys, values) in enumerate(layers):
         cache.update(keys, values, i)
