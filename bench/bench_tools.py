@@ -11,7 +11,9 @@ tokens in one piece. The prompts are the same in both: the tools preamble is lef
 to read it to make a forced call).
 
 Per mode it prints the median seconds per step (the first step of each run warms up and is not timed)
-with the 10th-90th percentile spread over --repeats runs, the tools' own seconds per step
+with the 10th-90th percentile spread over --repeats runs, its generation and update (the update does
+no tool work: what it gains with tools is the inserted tokens' own forward and backward, as every
+later token attends to them), the tools' own seconds per step
 (`tools/seconds`, summed over calls: an upper bound on their wall time, since a round's calls overlap),
 generate calls per step, tool calls per completion, and the ratio (step with tools - tool seconds) /
 step without: over all runs, then run by run (each run with tools against the run without just
@@ -129,6 +131,7 @@ def run(args, tools_on: bool, run_dir: Path) -> dict[str, list[float]]:
     timed = records[1:] or records
     completions = args.steps * args.batch_size * args.k * args.agents
     return {"step": [r["perf/step_s"] for r in timed], "tools": [r.get("tools/seconds", 0.0) for r in timed],
+            "gen": [r["perf/gen_s"] for r in timed], "update": [r["perf/update_s"] for r in timed],
             "generate_calls": [counter["calls"] / args.steps],
             "calls_per_completion": [sum(r.get("tools/calls", 0.0) for r in records) / completions]}
 
@@ -165,10 +168,11 @@ def main(argv=None) -> int:
                 out = run(args, tools_on, Path(tmp) / f"r{repeat}-{int(tools_on)}")
                 for key, values in out.items():
                     results[tools_on].setdefault(key, []).extend(values)
-    print(f"{'tools':>5} {'step_s median (p10-p90)':>28} {'tool_s':>8} {'generate calls/step':>20} "
-          f"{'calls/completion':>17}")
+    print(f"{'tools':>5} {'step_s median (p10-p90)':>28} {'gen_s':>7} {'update_s':>8} {'tool_s':>8} "
+          f"{'generate calls/step':>20} {'calls/completion':>17}")
     for tools_on, r in results.items():
-        print(f"{'on' if tools_on else 'off':>5} {spread(r['step']):>28} {statistics.median(r['tools']):>8.4f} "
+        print(f"{'on' if tools_on else 'off':>5} {spread(r['step']):>28} {statistics.median(r['gen']):>7.3f} "
+              f"{statistics.median(r['update']):>8.3f} {statistics.median(r['tools']):>8.4f} "
               f"{statistics.median(r['generate_calls']):>20.1f} {statistics.median(r['calls_per_completion']):>17.2f}")
     on, off = results[True], results[False]
     ratio = (statistics.median(on["step"]) - statistics.median(on["tools"])) / statistics.median(off["step"])
