@@ -10,6 +10,12 @@ where the model writes EOS). With tools off, the turn is the same (--calls + 1) 
 tokens in one piece. The prompts are the same in both: the tools preamble is left out (no model needs
 to read it to make a forced call).
 
+The default segment, 24 tokens, is about the shortest a segment that makes a call can be: the call
+alone, `<tool_call>{"name": "run_tests", "arguments": {}}</tool_call>`, is 23 tokens for SmolLM2's
+tokenizer and 26 for the tiny model's. `--segment 8` is a stress case (segments too short to hold any
+call, so the ~13-token tool messages outnumber the model's tokens and their own decoder work
+dominates the ratio).
+
 Per mode it prints the median seconds per step (the first step of each run warms up and is not timed)
 with the 10th-90th percentile spread over --repeats runs, its generation and update (the update does
 no tool work: what it gains with tools is the inserted tokens' own forward and backward, as every
@@ -20,8 +26,9 @@ step without: over all runs, then run by run (each run with tools against the ru
 before it, so that the machine's drift between runs cancels; its median and range are the figures to
 compare between versions). It asserts nothing. Run it on an otherwise idle machine.
 
-    python bench/bench_tools.py                           # tiny model, 3 runs per mode of 4 steps
-    python bench/bench_tools.py --calls 3 --segment 8 --repeats 5 --extra trainer.batch_size=8
+    python bench/bench_tools.py                           # tiny model, 2 calls x 24 tokens, 3 runs per mode
+    python bench/bench_tools.py --segment 8 --repeats 8   # the stress case
+    python bench/bench_tools.py --calls 1 --segment 24 --repeats 5 --extra trainer.batch_size=4
 """
 from __future__ import annotations
 
@@ -148,7 +155,8 @@ def main(argv=None) -> int:
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--calls", type=int, default=2, help="tool calls per completion (default 2)")
-    p.add_argument("--segment", type=int, default=8, help="model tokens per segment (default 8)")
+    p.add_argument("--segment", type=int, default=24,
+                   help="model tokens per segment (default 24, about the shortest call; 8: the stress case)")
     p.add_argument("--steps", type=int, default=4, help="steps per run; the first is not timed (default 4)")
     p.add_argument("--repeats", type=int, default=3, help="runs per mode, alternating off/on (default 3)")
     p.add_argument("--batch-size", type=int, default=8)

@@ -12,7 +12,8 @@ from tests.conftest import ROOT
 
 def test_bench_tools_runs_both_modes_with_batched_forced_calls():
     done = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_tools.py"), "--steps", "2", "--repeats", "2",
-                           "--batch-size", "2", "--k", "2"], capture_output=True, text=True, timeout=600, cwd=ROOT)
+                           "--segment", "8", "--batch-size", "2", "--k", "2"],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     rows = {m[0]: m[1:] for m in re.findall(r"^\s+(off|on)\s+.*?(\S+)\s+(\S+)\s+(\S+)$", done.stdout, re.M)}
     assert set(rows) == {"off", "on"}, done.stdout
