@@ -169,33 +169,31 @@ def main(argv=None) -> int:
     print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {os.cpu_count()} CPUs; batch {args.batch_size} "
           f"trees, K={args.k}, length_ratio ({args.agents} agents, 1 turn); {args.calls} forced calls x "
           f"{args.segment}-token segments, {args.steps} steps x {args.repeats} runs per mode")
-    results = {False: {}, True: {}}
+    runs: dict[bool, list[dict[str, list[float]]]] = {False: [], True: []}
     with tempfile.TemporaryDirectory() as tmp:
         for repeat in range(args.repeats):
             for tools_on in (False, True):
-                out = run(args, tools_on, Path(tmp) / f"r{repeat}-{int(tools_on)}")
-                for key, values in out.items():
-                    results[tools_on].setdefault(key, []).extend(values)
+                runs[tools_on].append(run(args, tools_on, Path(tmp) / f"r{repeat}-{int(tools_on)}"))
+    results = {tools_on: {key: [v for out in outs for v in out[key]] for key in outs[0]}
+               for tools_on, outs in runs.items()}
     print(f"{'tools':>5} {'step_s median (p10-p90)':>28} {'gen_s':>7} {'update_s':>8} {'tool_s':>8} "
           f"{'generate calls/step':>20} {'calls/completion':>17}")
     for tools_on, r in results.items():
         print(f"{'on' if tools_on else 'off':>5} {spread(r['step']):>28} {statistics.median(r['gen']):>7.3f} "
               f"{statistics.median(r['update']):>8.3f} {statistics.median(r['tools']):>8.4f} "
               f"{statistics.median(r['generate_calls']):>20.1f} {statistics.median(r['calls_per_completion']):>17.2f}")
-    on, off = results[True], results[False]
-    ratio = (statistics.median(on["step"]) - statistics.median(on["tools"])) / statistics.median(off["step"])
-    print(f"ratio (step with tools - tool seconds) / step without: {ratio:.2f} (target <= ~1.3)")
+    print(f"ratio (step with tools - tool seconds) / step without: {ratio(results[False], results[True]):.2f} "
+          "(target <= ~1.3)")
     if args.repeats > 1:  # each run with tools against the run without just before it: the machine's drift cancels
-        per_run = args.steps - 1 if args.steps > 1 else 1
-        pairs = [pair_ratio(off["step"][i : i + per_run], on["step"][i : i + per_run], on["tools"][i : i + per_run])
-                 for i in range(0, len(off["step"]), per_run)]
+        pairs = [ratio(off, on) for off, on in zip(runs[False], runs[True])]
         print(f"the same ratio run by run: median {statistics.median(pairs):.2f} (min {min(pairs):.2f}, max "
               f"{max(pairs):.2f}): {', '.join(f'{r:.2f}' for r in pairs)}")
     return 0
 
 
-def pair_ratio(off_steps: list[float], on_steps: list[float], tool_seconds: list[float]) -> float:
-    return (statistics.median(on_steps) - statistics.median(tool_seconds)) / statistics.median(off_steps)
+def ratio(off: dict[str, list[float]], on: dict[str, list[float]]) -> float:
+    """(median step with tools - median tool seconds) / median step without."""
+    return (statistics.median(on["step"]) - statistics.median(on["tools"])) / statistics.median(off["step"])
 
 
 if __name__ == "__main__":

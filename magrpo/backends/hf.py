@@ -184,9 +184,9 @@ class StopCheck:
             known = self.known
             check = [i for i, t in enumerate(newest) if (k := known.get(t)) or (k is None and self._learn(t))]
         if check:
-            rows = rows.tolist()
+            row_ids = rows.tolist()
             tails = self.tokenizer.batch_decode(new[check, -self.window :].tolist())
-            out[check] = torch.tensor([any(s in text for s in self.stops[rows[i]]) for i, text in zip(check, tails)])
+            out[check] = torch.tensor([any(s in text for s in self.stops[row_ids[i]]) for i, text in zip(check, tails)])
         return out
 
     def _learn(self, token: int) -> bool:

@@ -101,14 +101,14 @@ def resumed_inputs(prompts: list[list[int]], states: list[RowState | None], pad_
     kept_t = torch.tensor(kept, device=device)[:, None]
     fresh_t = torch.tensor([len(f) for f in fresh], device=device)[:, None]
     attention = (((columns >= width - kept_t) & (columns < width)) | (columns >= width + new - fresh_t)).long()
-    by_batch: dict[int, tuple[KeptBatch, list[int]]] = {}
+    by_batch: dict[KeptBatch, list[int]] = {}  # a KeptBatch hashes by identity
     for j, state in enumerate(states):
         if state is not None:
-            by_batch.setdefault(id(state.batch), (state.batch, []))[1].append(j)
+            by_batch.setdefault(state.batch, []).append(j)
     # The usual round: every row resumes from one decode's states, and what is gathered is the cache.
-    one_source = len(by_batch) == 1 and len(next(iter(by_batch.values()))[1]) == len(states)
-    layers: list[list[torch.Tensor | None]] = [[None, None] for _ in next(iter(by_batch.values()))[0].layers]
-    for batch, dest in by_batch.values():
+    one_source = len(by_batch) == 1 and len(next(iter(by_batch.values()))) == len(states)
+    layers: list[list[torch.Tensor | None]] = [[None, None] for _ in next(iter(by_batch)).layers]
+    for batch, dest in by_batch.items():
         rows = [states[j].row for j in dest]
         source = torch.tensor(rows, device=device)
         in_order = rows == list(range(batch.attended.shape[0]))  # the batch's rows as they were: no selection
