@@ -141,6 +141,23 @@ def make_cfg(tmp_path):
 
 
 @pytest.fixture
+def pinned_train(tmp_path):
+    """pinned_train("trainer.steps=8", ...) -> the run dir of a training run (SMALL + overrides) in a child
+    process pinned to portable kernels (magrpo.pinned): a test that asserts a training outcome must get
+    the same numbers on every CPU kind, not only on the one it was tuned on (docs/testing.md)."""
+    from magrpo import pinned
+
+    def run(*overrides: str) -> Path:
+        run_dir = tmp_path / "run"
+        proc = pinned.run([*SMALL, f"logging.run_dir={run_dir}", *overrides], env={"HF_HUB_OFFLINE": "1"},
+                          cwd=ROOT, capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return run_dir
+
+    return run
+
+
+@pytest.fixture
 def run_cli(tmp_path, monkeypatch, capsys):
     """run_cli(*argv) -> (exit code, non-blank stderr lines) of `train.py argv`, in-process, in tmp_path
     (the default run dir lands there). Loading a model fails the test: every bad input must stop before."""

@@ -1,12 +1,15 @@
 """The SmolLM2 run_tests warm start's transcripts (envs/code/tool_warm.py), built with the tiny model's
-tokenizer: no SmolLM2 load, no fine-tune (that is `python -m magrpo.envs.code.tool_warm`)."""
+tokenizer: no SmolLM2 load. The build itself (`python -m magrpo.envs.code.tool_warm`) is checked on
+the tiny model with a few transcripts: it runs pinned to portable kernels and records how it went."""
 from __future__ import annotations
+
+import json
 
 import pytest
 
 from magrpo.conversation import encode_text
 from magrpo.envs.code.easy import generate
-from magrpo.envs.code.tool_warm import WarmSpec, build_transcripts, code_env, prompt_agents
+from magrpo.envs.code.tool_warm import WarmSpec, build_transcripts, code_env, prompt_agents, warm_model_path
 from magrpo.tiny import tiny_model_path
 from magrpo.tools import RESPONSE_START, ToolCall, parse_call
 
@@ -71,3 +74,15 @@ def test_the_transcripts_are_deterministic(built):
     _, env, agents, transcripts = built
     again = build_transcripts(env, agents, SPEC)
     assert [(t.ids(), t.learn_mask()) for t in again] == [(t.ids(), t.learn_mask()) for t in transcripts]
+
+
+def test_the_build_runs_pinned_and_records_its_transcripts_and_weights(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    spec = WarmSpec(model=str(tiny_model_path()), transcripts=6)
+    folder = warm_model_path(spec, cache_dir=tmp_path)
+    record = json.loads((folder / "warm_start.json").read_text())
+    assert record["pinned_kernels"] is True and record["transcripts"] == 6 and 0 < record["with_call"] < 6
+    assert len(record["weights_sha256"]) == 64
+    AutoModelForCausalLM.from_pretrained(folder)  # an ordinary HF folder: the LoRA is merged
+    assert not [p for p in folder.parent.iterdir() if p != folder]  # no build folder left beside it

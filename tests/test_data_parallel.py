@@ -139,8 +139,9 @@ def test_two_processes_end_with_the_single_process_adapters(single, two):
     for step in (1, 2, 3):
         one, dp = lora(single, step), lora(two, step)
         for a in (0, 1):
-            if step > 1:  # the tolerance is far below what training moves the weights by
-                assert max(float((p - q).abs().max()) for p, q in zip(one[a], first[a])) > 1e-5
+            if step > 1:  # the tolerance (1e-6) is far below what training moves the weights by: an Adam
+                # step moves a weight by up to ~lr (1e-5), so the largest move is about lr, not surely above it
+                assert max(float((p - q).abs().max()) for p, q in zip(one[a], first[a])) > 5e-6
             for p, q in zip(one[a], dp[a]):
                 torch.testing.assert_close(q, p, atol=1e-6, rtol=0)
 

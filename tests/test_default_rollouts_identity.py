@@ -7,7 +7,7 @@ The run's rollouts.jsonl must equal tests/data/default_rollouts.jsonl; the per-a
 gradient norms of metrics.jsonl must equal tests/data/default_update_metrics.json (at 1e-6 relative).
 
 The run happens in a child process pinned to kernels that compute alike on every x86 machine of
-this kind (PORTABLE_KERNELS). Unpinned, the goldens held only on the kind of CPU that wrote them: the
+this kind (magrpo.pinned). Unpinned, the goldens held only on the kind of CPU that wrote them: the
 AVX-512 goldens failed at step 2 on an AVX2-only machine. The cause: torch's vectorized kernels and
 MKL's matrix products round differently per instruction set (and MKL picks its path by CPU vendor),
 and the first AdamW step moves each weight by about lr x sign(gradient), so a last-bit difference in
@@ -22,12 +22,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from magrpo import pinned
 from tests.conftest import ROOT, SMALL
 
 DATA = Path(__file__).parent / "data"
@@ -39,31 +38,12 @@ REGEN = os.environ.get("MAGRPO_REGEN_GOLDEN") == "1"
 # beyond the last.
 PINNED = ["trainer.steps=3", "model.device=cpu", "eval.at_end=false"]
 
-# Kernels every x86 machine of this kind (AVX2 and AVX-512, Intel and AMD) runs alike. Checked: on the
-# AVX2 machine the run gives the same bytes whatever ATEN_CPU_CAPABILITY the parent process has.
-PORTABLE_KERNELS = {
-    "ATEN_CPU_CAPABILITY": "avx2",  # torch's own vectorized kernels: the AVX2 build, not AVX-512's
-    "MKL_CBWR": "COMPATIBLE,STRICT",  # MKL's one code path for Intel and AMD alike (its AVX2 branch is Intel-only)
-    "ONEDNN_MAX_CPU_ISA": "AVX2",
-    "NPY_DISABLE_CPU_FEATURES": "X86_V4 AVX512_ICL AVX512_SPR",  # numpy's AVX-512 loops (silently absent on AVX2)
-    "OMP_NUM_THREADS": "1",  # sums split over threads add up in another order
-    "MKL_NUM_THREADS": "1",
-}
-
-# The child checks that the pins took effect before it trains.
-CHILD = """
-import sys, torch
-assert torch.backends.cpu.get_cpu_capability() == "AVX2", torch.backends.cpu.get_cpu_capability()
-assert torch.get_num_threads() == 1, torch.get_num_threads()
-from magrpo.cli import main
-sys.exit(main(sys.argv[1:]))
-"""
-
-
 def pinned_run(run_dir: Path) -> Path:
-    env = {**os.environ, **PORTABLE_KERNELS, "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run([sys.executable, "-c", CHILD, *SMALL, *PINNED, f"logging.run_dir={run_dir}"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    """The run in a child pinned to kernels every x86 machine of this kind runs alike (magrpo.pinned;
+    the child checks the pins took effect). Checked: on the AVX2 machine the run gives the same bytes
+    whatever ATEN_CPU_CAPABILITY the parent process has."""
+    proc = pinned.run([*SMALL, *PINNED, f"logging.run_dir={run_dir}"], env={"HF_HUB_OFFLINE": "1"}, cwd=ROOT,
+                      capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return run_dir
 

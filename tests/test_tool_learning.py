@@ -2,8 +2,9 @@
 (magrpo.envs.tool_arith_warm: it calls the calculator about 1 time in 5 and guesses otherwise) trained
 with GRPO and tools=[calculator] calls the tool more often and answers right more often in its last
 steps than in its first. Nothing rewards a call as such: the rate rises because calls earn the
-rewards. With lr ~0 the rate stays flat (~0.2) and this fails. About 10 s with the warm start cached
-($MAGRPO_CACHE, like the CI venvs); a machine's first run builds it (about 3.5 CPU-minutes)."""
+rewards. With lr ~0 the rate stays flat (~0.2) and this fails. About 15 s with the warm start cached
+($MAGRPO_CACHE, like the CI venvs); a machine's first run builds it (about 1.5 CPU-minutes, pinned).
+The run is pinned to portable kernels (the `pinned_train` fixture): the same numbers on every CPU kind."""
 from __future__ import annotations
 
 import json
@@ -12,27 +13,27 @@ import numpy as np
 import pytest
 
 from magrpo.envs.tool_arith_warm import warm_model_path
-from magrpo.trainer import train
 
 STEPS = 8
 WINDOW = 3
 
 
-def learning_run(make_cfg, seed: int, *extra: str) -> tuple[list[float], list[float]]:
-    """(tools/call_rate, train/reward_mean) per step."""
-    cfg = make_cfg(
+def learning_run(pinned_train, seed: int, *extra: str) -> tuple[list[float], list[float]]:
+    """(tools/call_rate, train/reward_mean) per step, pinned to portable kernels (the same numbers on
+    every CPU kind)."""
+    run = pinned_train(
         "env=tool_arith", "external=plain", f"model.name={warm_model_path()}", "tools=[calculator]",
         "tools.max_calls=1", "generation.max_new_tokens=72", "trainer.num_turns=1", f"trainer.steps={STEPS}",
         "trainer.batch_size=2", "trainer.num_generations=8", "trainer.lr=2e-3", f"trainer.seed={seed}",
         "logging.rollouts=false", "eval.at_end=false", *extra,
     )
-    rows = [json.loads(line) for line in open(train(cfg) / "metrics.jsonl")]
+    rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
     return [r["tools/call_rate"] for r in rows], [r["train/reward_mean"] for r in rows]
 
 
 @pytest.mark.slow
-def test_the_tiny_model_learns_to_call_the_calculator(make_cfg):
-    rates, rewards = learning_run(make_cfg, seed=0)
+def test_the_tiny_model_learns_to_call_the_calculator(pinned_train):
+    rates, rewards = learning_run(pinned_train, seed=0)
     first_rate, last_rate = np.mean(rates[:WINDOW]), np.mean(rates[-WINDOW:])
     first_reward, last_reward = np.mean(rewards[:WINDOW]), np.mean(rewards[-WINDOW:])
     print(f"call rate {first_rate:.2f} -> {last_rate:.2f}, reward {first_reward:.2f} -> {last_reward:.2f}")

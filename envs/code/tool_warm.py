@@ -11,8 +11,9 @@ magrpo renders it: chat template, tools preamble), then a reply that either
   has a choice to learn from. The reply's first token (call or code) is taught apart, as probability
   `WarmSpec.call_share` of calling (as envs/tool_arith_warm.py does).
 
-Saved as an ordinary HF folder, built once and cached by its recipe under
-`$MAGRPO_CACHE/smollm2_tool_warm/` (atomic rename):
+The fine-tune is magrpo.sft's, the tiny tool_arith warm start's too, and runs pinned to portable
+kernels (magrpo.pinned): the same weights on every CPU kind. Saved as an ordinary HF folder, built
+once and cached by its recipe under `$MAGRPO_CACHE/smollm2_tool_warm/` (atomic rename):
 
     python -m magrpo.envs.code.tool_warm         # prints the folder, for model.name=<folder>
 """
@@ -24,13 +25,13 @@ import hashlib
 import json
 import random
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+from magrpo import sft
 from magrpo.conversation import encode_text
-from magrpo.models import Agent
+from magrpo.models import Agent, peft_deprecation_silenced
 from magrpo.paths import cache_root
 from magrpo.tiny import build_once
 from magrpo.tool_state import ToolContext
@@ -40,8 +41,9 @@ from .env import CodeEnv
 from .reward import helper_names
 from .tools import run_tests
 
-FORMAT_VERSION = 2  # bump when the recipe below changes in a way WarmSpec does not show
+FORMAT_VERSION = 3  # bump when the recipe below changes in a way WarmSpec does not show
 TOOL = "run_tests"
+LABEL = "SmolLM2 run_tests warm start"
 
 
 @dataclass(frozen=True)
@@ -186,7 +188,15 @@ def warm_model_path(spec: WarmSpec = WarmSpec(), cache_dir: str | Path | None = 
     payload = json.dumps({"format": FORMAT_VERSION, "base": base.name, "spec": dataclasses.asdict(spec),
                           "sample": [t.ids() for t in sample]}, sort_keys=True)
     final = cache_root(cache_dir) / "smollm2_tool_warm" / hashlib.sha256(payload.encode()).hexdigest()[:16]
-    return build_once(final, lambda tmp: _train(spec, base, env, tmp), "warm-started SmolLM2 (run_tests)")
+    arguments = {"spec": dataclasses.asdict(spec), "base": str(base), "sandbox": sandbox}
+    return build_once(final, lambda tmp: sft.build_pinned("magrpo.envs.code.tool_warm:build", arguments, tmp, LABEL),
+                      "warm-started SmolLM2 (run_tests)")
+
+
+def build(out: str, spec: dict, base: str, sandbox: str) -> None:
+    """The build, in the pinned child (magrpo.sft.build_pinned)."""
+    warm = WarmSpec(**spec)
+    _train(warm, Path(base), code_env(warm.num_agents, sandbox), Path(out))
 
 
 def _train(spec: WarmSpec, base: Path, env: CodeEnv, out: Path) -> None:
@@ -200,57 +210,26 @@ def _train(spec: WarmSpec, base: Path, env: CodeEnv, out: Path) -> None:
     calls = sum(t.call is not None for t in transcripts)
     print(f"{len(transcripts)} transcripts, {calls} with a call", file=sys.stderr)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    model = get_peft_model(model, LoraConfig(r=spec.lora_r, lora_alpha=spec.lora_alpha, lora_dropout=0.0,
-                                             target_modules="all-linear", task_type="CAUSAL_LM"))
-    model.train()
-    optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=spec.lr, weight_decay=0.0)
-    start, tokens = time.perf_counter(), 0
-    first = torch.tensor(_first_tokens(transcripts))
-    target = torch.tensor([spec.call_share, 1 - spec.call_share])
-    for n, t in enumerate(transcripts, 1):
-        loss = _loss(model, t, first, target)
-        optim.zero_grad()
-        loss.backward()
-        optim.step()
-        tokens += len(t.ids())
-        if n % 10 == 0 or n == len(transcripts):
-            elapsed = time.perf_counter() - start
-            print(f"{n}/{len(transcripts)} loss {loss.item():.3f} {tokens / elapsed:.0f} tok/s "
-                  f"({elapsed:.0f} s)", file=sys.stderr)
+    with peft_deprecation_silenced():
+        model = get_peft_model(model, LoraConfig(r=spec.lora_r, lora_alpha=spec.lora_alpha, lora_dropout=0.0,
+                                                 target_modules="all-linear", task_type="CAUSAL_LM"))
+    examples = ([sft.Example(t.ids(), t.learn_mask(), len(t.prompt_ids))] for t in transcripts)
+    sft.fit(model, examples, choices=_first_tokens(transcripts), target=[spec.call_share, 1 - spec.call_share],
+            pad_id=tok.pad_token_id, lr=spec.lr, label=LABEL, log_every=10)
     merged = model.merge_and_unload()
     merged.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
+    sft.write_record(out, {"transcripts": len(transcripts), "with_call": calls})
 
 
 def _first_tokens(transcripts: Sequence[Transcript]) -> tuple[int, int]:
     """The reply's first token when it calls and when it writes code (`<` and `def` for SmolLM2)."""
     firsts = {t.call is not None: t.segments[0][0][0] for t in transcripts}
     if len({t.segments[0][0][0] for t in transcripts}) != 2 or len(firsts) != 2:
-        raise RuntimeError("the replies do not start with one token for a call and one for code")
+        raise sft.WarmStartError(f"{LABEL}: the replies do not start with one token for a call and one for code "
+                                 "with this tokenizer; set WarmSpec.model to a model whose tokenizer does")
     return firsts[True], firsts[False]
 
 
-def _loss(model, t: Transcript, first, target):
-    """Cross-entropy over the model's own tokens after the reply's first, plus the decision: at the
-    first, cross-entropy against (call_share, 1 - call_share) over (call, code), so the model calls
-    with that probability whichever transcripts came last (one pass of batch-1 steps left it to them:
-    0.35 and 0.29 for call_shares 0.5 and 0.6). The prompt (all but its last token) runs without
-    gradients as a KV cache: ~2/3 of the tokens, never in the loss."""
-    import torch
-    import torch.nn.functional as F
-
-    from magrpo.models import cache_keyword
-
-    ids, learn = torch.tensor([t.ids()]), torch.tensor(t.learn_mask())
-    head, key = len(t.prompt_ids) - 1, cache_keyword(model)
-    with torch.no_grad():
-        cache = getattr(model(input_ids=ids[:, :head], use_cache=True), key)
-    logits = model(input_ids=ids[:, head:], **{key: cache}).logits[0, :-1]  # position i predicts i + 1
-    at = learn[head + 1:].clone()
-    at[0] = False  # the first reply token: the decision below
-    tokens = F.cross_entropy(logits[at], ids[0, head + 1:][at])
-    return tokens - (F.log_softmax(logits[0], dim=-1)[first] * target).sum()
-
-
 if __name__ == "__main__":
-    print(warm_model_path())
+    sys.exit(sft.main_printing(warm_model_path))
