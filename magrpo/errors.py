@@ -4,9 +4,12 @@ Every error magrpo raises on purpose is a `MagrpoError`: the CLI prints it as on
 with 2 (`ConfigError`: bad input, fix a setting) or 1 (anything else: training could not go on).
 Errors raised by user code (an env's methods, a feedback function) become one line that names the
 function, with the full traceback kept in the run dir (`error.log`) rather than on the console.
+Text from outside (a program's or tool's output, an exception's message, a server's or an expert's
+reply, the model's own JSON) passes `valid_text` before it reaches a tokenizer or a file.
 This module imports nothing from magrpo: every other module may import it."""
 from __future__ import annotations
 
+import re
 import time
 import traceback
 from contextlib import contextmanager
@@ -14,6 +17,9 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 ERROR_LOG = "error.log"
+# A lone surrogate (U+D800-U+DFFF), as `chr(0xD800)` or the JSON escape \ud800 gives: a Python string may
+# hold one, UTF-8 cannot (a tokenizer raises TypeError on it, a UTF-8 file write UnicodeEncodeError)
+SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class MagrpoError(Exception):
@@ -77,6 +83,11 @@ def describe(error: BaseException) -> str:
     """`Type: first line of the message`, never more than one line."""
     lines = str(error).strip().splitlines()
     return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+
+
+def valid_text(text: str) -> str:
+    """`text` with every lone surrogate replaced by U+FFFD, as a UTF-8 decoder shows a bad byte."""
+    return SURROGATE.sub("\ufffd", text)
 
 
 @contextmanager

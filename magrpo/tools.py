@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from .config import choice
-from .errors import ConfigError
+from .errors import ConfigError, valid_text
 from .registry import Registry
 from .tool_state import CONTEXT, Session, invoke, is_stateful, release_all, run_coroutine, signature, takes_context
 
@@ -28,6 +28,10 @@ TOOLS_HINT = ("or your own: tools=[package.module:function] (its docstring descr
               "tools=[package.module:Class] (a stateful tool: schema, create, execute, release) or "
               "tools=[package.module:NAME] (a magrpo.tools.Tool)")
 ERROR_KINDS = ("bad_json", "unknown_tool", "bad_arguments", "raised", "timeout", "truncated")
+# Bounds on what a call may carry (docs/tools.md): past them the call is bad_arguments. A tool's arguments
+# are a few values; a model that loops writes megabytes, or `{` after `{` until the tokens run out.
+MAX_CALL_CHARS = 100_000  # the JSON between the call markers
+MAX_ARGUMENT_DEPTH = 32  # objects and arrays nested in the arguments (the arguments object itself is 1)
 
 
 @dataclass(frozen=True)
@@ -155,26 +159,57 @@ def stateful_tool(obj: Any) -> Tool:
 
 def parse_call(text: str) -> ToolCall | CallError | None:
     """The call a model segment ends with (generation stops at CALL_END), an error when its body is
-    not `{"name": str, "arguments": object}`, or None when the segment makes no call."""
+    not `{"name": str, "arguments": object}` (bad_json) or its arguments are past MAX_CALL_CHARS or
+    MAX_ARGUMENT_DEPTH (bad_arguments), or None when the segment makes no call. Never raises: whatever
+    the model wrote, a call or an error comes back, its strings valid text."""
     stripped = text.rstrip()
     if not stripped.endswith(CALL_END) or CALL_START not in stripped:
         return None
     body = stripped[stripped.rindex(CALL_START) + len(CALL_START) : -len(CALL_END)]
-    try:
-        call = json.loads(body)
-    except json.JSONDecodeError as e:
-        return CallError("bad_json", f"error: the call is not valid JSON ({e})")
+    if len(body) > MAX_CALL_CHARS:
+        return CallError("bad_arguments", f"error: the call is {len(body):,} characters long, more than "
+                                          f"{MAX_CALL_CHARS:,}")
+    call = read_json(body, "the call is")
+    if isinstance(call, CallError):
+        return call
     if not isinstance(call, dict) or not isinstance(call.get("name"), str):
         return CallError("bad_json", 'error: a call is {"name": "<tool>", "arguments": {...}}')
     arguments = call.get("arguments", {})
     if isinstance(arguments, str):  # some models write the arguments as a JSON string (OpenAI's wire form)
-        try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError as e:
-            return CallError("bad_json", f"error: arguments are not valid JSON ({e})")
+        arguments = read_json(arguments, "arguments are")
+        if isinstance(arguments, CallError):
+            return arguments
     if not isinstance(arguments, dict):
         return CallError("bad_arguments", f"error: arguments must be a JSON object, got {type(arguments).__name__}")
-    return ToolCall(call["name"], arguments)
+    try:
+        return ToolCall(valid_text(call["name"]), valid_json(arguments))
+    except ValueError:
+        return CallError("bad_arguments", f"error: arguments are nested more than {MAX_ARGUMENT_DEPTH} levels deep")
+
+
+def read_json(text: str, what: str) -> Any:
+    """json.loads(text), or a bad_json CallError saying `what` "not valid JSON"; every way JSON text
+    can fail becomes that error."""
+    try:
+        return json.loads(text)
+    except RecursionError:  # Python's parser recurses per `[` or `{`: ~1000 of them, even unclosed
+        return CallError("bad_json", f"error: {what} not valid JSON (nested too deeply to read)")
+    except ValueError as e:  # JSONDecodeError, and a number past int()'s 4,300-digit limit
+        return CallError("bad_json", f"error: {what} not valid JSON ({str(e).split(';')[0][:120]})")
+
+
+def valid_json(value: Any, depth: int = 1) -> Any:
+    """A parsed JSON value with every string (keys too) made valid text; ValueError when objects and
+    arrays nest deeper than MAX_ARGUMENT_DEPTH (copies of it made later recurse as deep)."""
+    if isinstance(value, str):
+        return valid_text(value)
+    if not isinstance(value, (dict, list)):
+        return value
+    if depth > MAX_ARGUMENT_DEPTH:
+        raise ValueError(f"nested deeper than {MAX_ARGUMENT_DEPTH}")
+    if isinstance(value, list):
+        return [valid_json(v, depth + 1) for v in value]
+    return {valid_text(k): valid_json(v, depth + 1) for k, v in value.items()}
 
 
 def execute_calls(calls: Sequence[ToolCall | CallError], tools: Sequence[Tool], timeout_s: float,
@@ -201,6 +236,7 @@ async def _run_all(calls, sessions: Sequence[Session], by_name: dict[str, Tool],
     async def one(call, session: Session) -> ToolResult:
         async with limit:
             result = await _run_one(call, session, by_name, timeout_s)
+        result.text = valid_text(result.text)  # a tool's output or exception may hold lone surrogates
         return cap(result, max_output_chars)
 
     return list(await asyncio.gather(*(one(c, s) for c, s in zip(calls, sessions))))
@@ -239,11 +275,12 @@ async def _run_one(call: ToolCall | CallError, session: Session, by_name: dict[s
 
     try:
         output = await asyncio.wait_for(execute(), timeout_s)
+        text = output if isinstance(output, str) else str(output)  # str() may raise too (an int of 5,000 digits)
     except asyncio.TimeoutError:
         return ToolResult(f"error: {call.name!r} timed out after {timeout_s:g} s", "timeout", sum(spent))
     except Exception as e:  # noqa: BLE001  (a tool's own failure is the model's to see, not the run's)
         return ToolResult(f"error: {call.name!r} raised {type(e).__name__}: {e}", "raised", sum(spent))
-    return ToolResult(output if isinstance(output, str) else str(output), None, sum(spent))
+    return ToolResult(text, None, sum(spent))
 
 
 def cap(result: ToolResult, max_output_chars: int) -> ToolResult:

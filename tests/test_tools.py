@@ -16,6 +16,8 @@ from magrpo.errors import ConfigError
 from magrpo.generation import GenerationRequest, SamplingParams
 from magrpo.tool_loop import ToolSettings, generate_with_tools
 from magrpo.tools import (
+    MAX_ARGUMENT_DEPTH,
+    MAX_CALL_CHARS,
     CallError,
     Tool,
     ToolCall,
@@ -53,15 +55,35 @@ def test_a_reply_without_a_call_is_none():
     assert parse_call("<tool_call>{} and more text") is None  # no end marker: generation ran out
 
 
+def nested(depth: int) -> str:
+    """Arguments `depth` objects deep: {"x": {"x": ... 1}}."""
+    return '{"x": ' * depth + "1" + "}" * depth
+
+
 @pytest.mark.parametrize("body,kind", [
     ('{"name": "calculator", "arguments": {', "bad_json"),
     ('["calculator"]', "bad_json"),
     ('{"arguments": {}}', "bad_json"),
     ('{"name": "calculator", "arguments": [1, 2]}', "bad_arguments"),
+    # what small models write in a loop: Python's JSON parser raised RecursionError (issue 44)
+    ('{"name": "calculator", "arguments": ' + "[" * 1000, "bad_json"),
+    ('{"name": "calculator", "arguments": "' + "[" * 1000 + '"}', "bad_json"),  # the same as a JSON string
+    # past Python's 4,300-digit limit for int(): a ValueError that is no JSONDecodeError
+    ('{"name": "calculator", "arguments": {"x": ' + "1" * 4301 + "}}", "bad_json"),
+    # valid, but deeper than any tool needs: later copies (dataclasses.asdict for feedback) recursed past the limit
+    ('{"name": "calculator", "arguments": ' + nested(600) + "}", "bad_arguments"),
+    ('{"name": "calculator", "arguments": ' + nested(MAX_ARGUMENT_DEPTH + 1) + "}", "bad_arguments"),
+    ('{"name": "calculator", "arguments": {"x": "' + "1" * MAX_CALL_CHARS + '"}}', "bad_arguments"),
 ])
 def test_parse_errors_name_their_kind(body, kind):
     parsed = parse_call(call(body))
     assert isinstance(parsed, CallError) and parsed.kind == kind and parsed.message.startswith("error: ")
+    assert len(parsed.message) < 200  # one short line for the model, never the call echoed back
+
+
+def test_arguments_as_deep_as_the_bound_are_a_call():
+    parsed = parse_call(call('{"name": "f", "arguments": ' + nested(MAX_ARGUMENT_DEPTH) + "}"))
+    assert isinstance(parsed, ToolCall)
 
 
 # --- executing a round -----------------------------------------------------------------------------

@@ -1,0 +1,51 @@
+"""No text from outside stops a run (issue 44): a program's exception, a tool's output, an expert's
+reply or the model's own JSON may hold a lone surrogate (`chr(0xD800)`, or the JSON escape \\ud800),
+which a Python string holds but no tokenizer or UTF-8 file takes. Each reaches them with U+FFFD in
+its place (`magrpo.errors.valid_text`). The call parser's own bounds are in tests/test_tools.py."""
+from __future__ import annotations
+
+from magrpo.errors import valid_text
+from magrpo.tools import ToolCall, execute_calls, function_tool, parse_call
+
+LONE = chr(0xD800)
+
+
+def valid(text: str) -> bool:
+    text.encode("utf-8")  # raises UnicodeEncodeError on a lone surrogate
+    return True
+
+
+def test_valid_text_replaces_each_lone_surrogate_and_keeps_everything_else():
+    assert valid_text(f"a{LONE}b\udfff") == "a\ufffdb\ufffd"
+    assert valid_text("plain, ✓, 😀, \ufffd") == "plain, ✓, 😀, \ufffd"
+
+
+# --- the model's call and a tool's answer ------------------------------------------------------------
+
+def test_a_call_whose_json_escapes_a_lone_surrogate_reaches_the_tool_as_valid_text():
+    parsed = parse_call('<tool_call>{"name": "f\\ud800", "arguments": {"x\\udc00": ["\\ud800", 1]}}</tool_call>')
+    assert parsed == ToolCall("f\ufffd", {"x\ufffd": ["\ufffd", 1]})
+
+
+def echo(text: str) -> str:
+    return f"got {text}{LONE}"
+
+
+def refuse(text: str) -> str:
+    raise ValueError(f"no {text}{LONE}")
+
+
+def huge() -> int:
+    return 10**5000  # str() of it raises ValueError: more than 4,300 digits
+
+
+def test_a_tools_output_and_its_exceptions_message_reach_the_model_as_valid_text():
+    answered, raised = execute_calls([ToolCall("echo", {"text": "x"}), ToolCall("refuse", {"text": "x"})],
+                                     [function_tool(echo), function_tool(refuse)], 5.0, 1000, 8)
+    assert (answered.text, answered.error) == ("got x\ufffd", None)
+    assert (raised.text, raised.error) == ("error: 'refuse' raised ValueError: no x\ufffd", "raised")
+
+
+def test_an_answer_that_str_cannot_write_is_a_tool_that_raised():
+    [r] = execute_calls([ToolCall("huge", {})], [function_tool(huge)], 5.0, 1000, 8)
+    assert r.error == "raised" and r.text.startswith("error: 'huge' raised ValueError: Exceeds the limit")
