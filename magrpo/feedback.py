@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 from .env import CompletionInfo
-from .errors import ConfigError, FeedbackError, describe, qualified_name, user_code
+from .errors import ConfigError, FeedbackError, describe, qualified_name, user_code, valid_text
 from .plugins import import_module
 from .registry import FEEDBACK_HINT, Registry
 
@@ -148,12 +148,14 @@ def raised(name: str, fn: Any, when: str, error: Exception) -> FeedbackError:
 
 
 def check_prompts(prompts: Any, num_agents: int, name: str, fn: Any = None) -> list[str]:
+    """The prompts as valid text (an expert's reply or a program's error in them may hold lone
+    surrogates, which no tokenizer takes); a FeedbackError when they are not one string per agent."""
     wrong = _wrong_prompts(prompts, num_agents)
     if wrong:
         where = f" ({qualified_name(fn)})" if fn is not None else ""
         raise FeedbackError(f"feedback function {name!r}{where} must return a list of {num_agents} prompt strings "
                             f"(one per agent), got {wrong}")
-    return list(prompts)
+    return [valid_text(p) for p in prompts]
 
 
 def _wrong_prompts(prompts: Any, num_agents: int) -> str | None:

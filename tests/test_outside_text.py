@@ -49,3 +49,46 @@ def test_a_tools_output_and_its_exceptions_message_reach_the_model_as_valid_text
 def test_an_answer_that_str_cannot_write_is_a_tool_that_raised():
     [r] = execute_calls([ToolCall("huge", {})], [function_tool(huge)], 5.0, 1000, 8)
     assert r.error == "raised" and r.text.startswith("error: 'huge' raised ValueError: Exceeds the limit")
+
+
+# --- a graded program's exception: the judge's verdict, in feedback and in run_tests ---------------
+
+RAISES = "def truncate_number(number: float) -> float:\n    raise ValueError(chr(0xD800))\n    return number\n"
+AUX = "def aux(x):\n    return x - int(x)\n"
+
+
+def test_a_programs_lone_surrogate_reaches_level_feedback_as_valid_text(truncate_env):
+    from magrpo.config import ExternalConfig
+    from magrpo.feedback import Branch, Feedback
+
+    problem = truncate_env.problems("train")[0]
+    [scored] = truncate_env.score([problem], [[AUX, RAISES]])
+    assert scored.context["first_failure"]["error"] == "ValueError: \ufffd"  # the env's context, for every mode
+    branch = Branch(problem["prompt"], [AUX, RAISES], [[p] for p in truncate_env.agent_prompts(problem)],
+                    [[AUX], [RAISES]], dict(scored.context))
+    [prompts] = Feedback(ExternalConfig(mode="level_feedback"), truncate_env)([branch])
+    assert all(valid(p) for p in prompts) and "  Error: ValueError: \ufffd" in prompts[1]
+
+
+def test_a_programs_lone_surrogate_reaches_run_tests_output_as_valid_text(truncate_env):
+    from magrpo.tool_state import Session, ToolContext
+    from magrpo.tools import resolve
+
+    context = ToolContext(truncate_env.tool_context(truncate_env.problems("train")[0]), 1)
+    [r] = execute_calls([ToolCall("run_tests", {"code": RAISES})], resolve(["run_tests"]), 30.0, 4000, 8,
+                        sessions=[Session(context)])
+    assert r.error is None and "FAILED: truncate_number(3.5): expected 0.5, but ValueError: \ufffd" in r.text
+
+
+# --- feedback: whatever a mode or an expert returns ----------------------------------------------
+
+def test_a_feedback_functions_lone_surrogate_reaches_the_prompt_as_valid_text():
+    from magrpo.config import ExternalConfig
+    from magrpo.feedback import Branch, Feedback
+
+    def shout(prompt, agent_completions, num_agents, **context):
+        return [f"{prompt} {LONE}"] * num_agents
+
+    [prompts] = Feedback(ExternalConfig(), None, target=shout)([Branch("P", ["a", "b"], [["P"], ["P"]],
+                                                                        [["a"], ["b"]])])
+    assert prompts == ["P \ufffd", "P \ufffd"]

@@ -11,6 +11,7 @@ from typing import Any, Mapping, Sequence
 
 from magrpo.distributed import is_main_process
 from magrpo.env import ENVS, Environment, Scored
+from magrpo.errors import valid_text
 from magrpo.metrics import Counter, Gauge
 
 from . import isolation
@@ -248,8 +249,8 @@ class CodeEnv(Environment):
         first_failure = None
         if result is not None:
             for case, case_result in zip(suite.cases, result.cases):
-                if not case_result.passed:
-                    first_failure = {"case": case, "error": case_result.error or "failed"}
+                if not case_result.passed:  # the error is the program's text: `raise ValueError(chr(0xD800))`
+                    first_failure = {"case": case, "error": valid_text(case_result.error or "failed")}
                     break
         helpers = helper_names(self.num_agents - 1)
         return {
