@@ -381,6 +381,16 @@ def test_cache_from_a_thread_pool_and_failures_not_cached(server, tmp_path):
     assert again.stats()["cache_hits"] == 16 and len(server.chat_requests()) == 17
 
 
+def test_a_reply_holding_a_lone_surrogate_is_cached_and_returned_as_valid_text(server, tmp_path):
+    """The JSON escape \\ud800 in a reply gives a lone surrogate, which sqlite (UTF-8) refused: the
+    reply was lost as a failure; a tokenizer would raise TypeError on it."""
+    server.answer = lambda prompt: f"fix {chr(0xD800)}"
+    path = tmp_path / "cache.sqlite"
+    assert _expert(server.url, cache=ExpertCache(path)).complete(["p"]) == ["fix \ufffd"]
+    assert _expert(server.url, cache=ExpertCache(path)).complete(["p"]) == ["fix \ufffd"]
+    assert len(server.chat_requests()) == 1
+
+
 def test_cache_key_includes_model(tmp_path):
     cache = ExpertCache(tmp_path / "c.sqlite")
     cache.put("openai", "m1", "p", "r1")
@@ -430,7 +440,8 @@ def test_parse_missing_or_null_key_is_empty():
     assert parse_edits('{"aux": null, "main": 3}', KEYS) == {"aux": "", "main": "3"}
 
 
-@pytest.mark.parametrize("text", ["", "no json here", "{not: json}", '{"other": 1}', "[1, 2]", '{"aux": "unterminated'])
+@pytest.mark.parametrize("text", ["", "no json here", "{not: json}", '{"other": 1}', "[1, 2]", '{"aux": "unterminated',
+                                  '{"aux": ' + "[" * 1000])  # Python's JSON parser raised RecursionError
 def test_parse_garbage_is_none(text):
     assert parse_edits(text, KEYS) is None
 

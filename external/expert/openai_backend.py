@@ -19,6 +19,7 @@ from collections import deque
 from typing import Any, Callable
 
 from magrpo.config import ExpertConfig
+from magrpo.errors import valid_text
 
 from .breaker import OPEN, PROBE, Breaker
 from .cache import ExpertCache
@@ -169,7 +170,8 @@ class OpenAIExpert:
                 choices = getattr(response, "choices", None)
                 content = choices[0].message.content if choices else None
                 self._record(bool(content))
-                return (content, "") if content else (None, "no reply text in the response")
+                # valid text: the JSON escape \ud800 gives a lone surrogate, which the cache and a tokenizer refuse
+                return (valid_text(content), "") if content else (None, "no reply text in the response")
             wait = max(self.cfg.backoff_s * 2**attempt * (0.5 + self._jitter.random()), retry_after)
             if time.monotonic() + wait >= deadline:  # the retry could not finish in time: fail now, not later
                 return None, f"{error}; no time left to retry after {wait:.1f} s"

@@ -38,7 +38,7 @@ def _objects(text: str) -> Iterator[dict[str, Any]]:
     while start != -1:
         try:
             obj, _ = _DECODER.raw_decode(text, start)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: ~1000 `[` or `{`, as a looping model writes
             obj = None
         if isinstance(obj, dict):
             yield obj
