@@ -386,6 +386,9 @@ class McpServerConfig:
     start_timeout_s: float = 30.0
     """Seconds to start the server, finish the MCP handshake and list its tools; past it the run stops at start-up
     (> 0)."""
+    max_schema_chars: int = 10_000
+    """A used tool whose schema (name, description and inputSchema as JSON) is longer than this stops the run at
+    start-up: every prompt shows every schema (>= 1)."""
 
 
 @dataclass

@@ -85,7 +85,10 @@ class McpServers:
         if missing:
             raise ConfigError(f"{key}.tools", f"{', '.join(map(repr, missing))}: not a tool of {where(server)}; it "
                                               f"has: {', '.join(by_name) or 'none'}")
-        return [self._tool(session, by_name[name]) for name in (server.tools or by_name)]
+        tools = [self._tool(session, by_name[name]) for name in (server.tools or by_name)]
+        for tool in tools:
+            check_size(tool, key, server)
+        return tools
 
     def _tool(self, session, listed) -> Tool:
         name, loop = listed.name, self.loop
@@ -117,6 +120,17 @@ class McpServers:
         self.thread.join(timeout=10)
         if not self.thread.is_alive():
             self.loop.close()
+
+
+def check_size(tool: Tool, key: str, server: McpServerConfig) -> None:
+    """A ConfigError when the tool's schema is longer than the entry's max_schema_chars: every prompt
+    shows it (a server once described a tool in 4 MB, 524k tokens of every prompt)."""
+    size = len(json.dumps(tool.schema, ensure_ascii=False))
+    if size > server.max_schema_chars:
+        raise ConfigError(f"{key}.max_schema_chars", f"{where(server)}'s tool {tool.name!r} has a schema of {size:,} "
+                                                     f"characters (description and inputSchema as JSON), more than "
+                                                     f"{server.max_schema_chars:,}; every prompt would show it: leave "
+                                                     f"it out with {key}.tools=[...] or raise the limit")
 
 
 def transport(server: McpServerConfig, stderr):

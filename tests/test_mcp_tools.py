@@ -157,7 +157,58 @@ def test_bad_entries_stop_at_start_up_in_one_line(run_cli):
     assert code == 2 and "tools.mcp[0].url" in lines[-1]
     code, lines = run_cli("tools.mcp=[{cmd:[x]}]")
     assert code == 2 and lines[-1].endswith("tools.mcp[i].cmd: unknown key; allowed: command, url, tools, env, "
-                                            "start_timeout_s")
+                                            "start_timeout_s, max_schema_chars")
+    code, lines = run_cli("tools.mcp=[{command:[x],max_schema_chars:0}]")
+    assert code == 2 and "tools.mcp[0].max_schema_chars" in lines[-1]
+
+
+def test_a_tool_schema_past_max_schema_chars_stops_at_start_up_in_one_line():
+    """A server once described a tool in 4 MB: 524k tokens in every prompt (issue 44)."""
+    from magrpo.mcp_tools import mcp_tools
+
+    with pytest.raises(ConfigError, match=r"^tools\.mcp\[0\]\.max_schema_chars: the server .*'s tool 'add' has a "
+                                          r"schema of \d+ characters .*, more than 50; every prompt would show it: "
+                                          r"leave it out with tools\.mcp\[0\]\.tools=\[\.\.\.\] or raise the limit$"):
+        mcp_tools([server(tools=["add"], max_schema_chars=50)])
+
+
+# A server without the SDK, whose `echo` answers text with the JSON escape \ud800 (a lone surrogate)
+RAW_SERVER = r"""
+import json, sys
+for line in sys.stdin:
+    msg = json.loads(line)
+    method, params = msg.get("method"), msg.get("params") or {}
+    if method == "initialize":
+        result = {"protocolVersion": params["protocolVersion"], "capabilities": {"tools": {}},
+                  "serverInfo": {"name": "raw", "version": "0"}}
+    elif method == "tools/list":
+        schema = {"type": "object", "properties": {}}
+        result = {"tools": [{"name": n, "description": n, "inputSchema": schema} for n in ("echo", "ok")]}
+    elif method == "tools/call":
+        text = "a\\ud800b" if params["name"] == "echo" else "fine"
+        sys.stdout.write('{"jsonrpc": "2.0", "id": %d, "result": {"content": [{"type": "text", "text": "%s"}]}}\n'
+                         % (msg["id"], text))
+        sys.stdout.flush()
+        continue
+    else:
+        continue
+    sys.stdout.write(json.dumps({"jsonrpc": "2.0", "id": msg["id"], "result": result}) + "\n")
+    sys.stdout.flush()
+"""
+
+
+def test_a_servers_answer_holding_a_lone_surrogate_is_an_error_and_the_session_goes_on():
+    """The SDK refuses the message (its JSON parser takes no lone surrogate): the call ends as a
+    timeout, never a lone surrogate in the model's tokens, and the next call is answered."""
+    from magrpo.mcp_tools import close, mcp_tools
+
+    servers = [McpServerConfig(command=[sys.executable, "-c", RAW_SERVER])]
+    try:
+        [tools] = mcp_tools(servers)
+        refused, answered = (execute_calls([ToolCall(name, {})], tools, 0.5, 1000, 8)[0] for name in ("echo", "ok"))
+        assert (refused.error, answered.text) == ("timeout", "fine")
+    finally:
+        close(servers)
 
 
 def test_a_server_that_never_answers_times_out(monkeypatch):
