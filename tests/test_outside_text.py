@@ -4,6 +4,11 @@ which a Python string holds but no tokenizer or UTF-8 file takes. Each reaches t
 its place (`magrpo.errors.valid_text`). The call parser's own bounds are in tests/test_tools.py."""
 from __future__ import annotations
 
+import itertools
+import json
+
+import pytest
+
 from magrpo.errors import valid_text
 from magrpo.tools import ToolCall, execute_calls, function_tool, parse_call
 
@@ -92,3 +97,41 @@ def test_a_feedback_functions_lone_surrogate_reaches_the_prompt_as_valid_text():
     [prompts] = Feedback(ExternalConfig(), None, target=shout)([Branch("P", ["a", "b"], [["P"], ["P"]],
                                                                         [["a"], ["b"]])])
     assert prompts == ["P \ufffd", "P \ufffd"]
+
+
+# --- a run ---------------------------------------------------------------------------------------
+
+SCRIPT = [  # what the replies' calls say, in turn
+    '<tool_call>{"name": "run_tests", "arguments": ' + "[" * 1000 + "</tool_call>",  # as small models loop
+    '<tool_call>{"name": "run_tests", "arguments": ' + json.dumps({"code": RAISES}) + "}</tool_call>",
+    '<tool_call>{"name": "refuse", "arguments": {"text": "x"}}</tool_call>',
+    '<tool_call>{"name": "refuse", "arguments": ' + '{"x": ' * 600 + "1" + "}" * 600 + "}</tool_call>",
+]
+
+
+@pytest.mark.slow
+def test_a_code_env_run_whose_calls_loop_deep_and_quote_lone_surrogates_finishes(tmp_path, monkeypatch):
+    """The tiny model never writes `<tool_call>`: here its replies that end in "e" make the calls of
+    SCRIPT in turn, through the real parser, tools, judge, tokenizer, feedback and rollouts.jsonl.
+    Each one ended such a run with exit 1: RecursionError in the parser, TypeError in the tokenizer
+    (run_tests quoting the program's ValueError(chr(0xD800)), a tool's own exception), RecursionError
+    in feedback (dataclasses.asdict of arguments 600 deep)."""
+    import magrpo.tool_loop
+    from magrpo.cli import main
+    from tests.conftest import SMALL
+
+    script = itertools.cycle(SCRIPT)
+    monkeypatch.setattr(magrpo.tool_loop, "CALL_END", "e")
+    monkeypatch.setattr(magrpo.tool_loop, "parse_call", lambda text: parse_call(next(script)) if text.endswith("e")
+                        else None)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    run = tmp_path / "run"
+    code = main([*SMALL, "env=code", "external=plain", "tools=[run_tests,tests.test_outside_text:refuse]",
+                 "tools.max_calls=2", "trainer.steps=1", "trainer.batch_size=1", "trainer.num_turns=2",
+                 "generation.max_new_tokens=64", "eval.at_end=false", "env.train_split='test[2:3]'",
+                 "env.eval_split='test[3:4]'", f"logging.run_dir={run}"])
+    assert code == 0
+    [metrics] = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    assert all(metrics.get(f"tools/errors/{kind}", 0) > 0 for kind in ("bad_json", "raised", "bad_arguments"))
+    rollouts = (run / "rollouts.jsonl").read_text()
+    assert "but ValueError: \\ufffd" in rollouts and "raised ValueError: no x\\ufffd" in rollouts
