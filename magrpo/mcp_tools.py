@@ -127,7 +127,7 @@ def check_size(tool: Tool, key: str, server: McpServerConfig) -> None:
     shows it (a server once described a tool in 4 MB, 524k tokens of every prompt)."""
     size = len(json.dumps(tool.schema, ensure_ascii=False))
     if size > server.max_schema_chars:
-        raise ConfigError(f"{key}.max_schema_chars", f"{where(server)}'s tool {tool.name!r} has a schema of {size:,} "
+        raise ConfigError(f"{key}.max_schema_chars", f"{where(server)} lists {tool.name!r} with a schema of {size:,} "
                                                      f"characters (description and inputSchema as JSON), more than "
                                                      f"{server.max_schema_chars:,}; every prompt would show it: leave "
                                                      f"it out with {key}.tools=[...] or raise the limit")

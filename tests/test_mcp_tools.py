@@ -166,7 +166,7 @@ def test_a_tool_schema_past_max_schema_chars_stops_at_start_up_in_one_line():
     """A server once described a tool in 4 MB: 524k tokens in every prompt (issue 44)."""
     from magrpo.mcp_tools import mcp_tools
 
-    with pytest.raises(ConfigError, match=r"^tools\.mcp\[0\]\.max_schema_chars: the server .*'s tool 'add' has a "
+    with pytest.raises(ConfigError, match=r"^tools\.mcp\[0\]\.max_schema_chars: the server .* lists 'add' with a "
                                           r"schema of \d+ characters .*, more than 50; every prompt would show it: "
                                           r"leave it out with tools\.mcp\[0\]\.tools=\[\.\.\.\] or raise the limit$"):
         mcp_tools([server(tools=["add"], max_schema_chars=50)])
