@@ -134,8 +134,9 @@ def _train(spec: WarmSpec, base: Path, out: Path) -> None:
             return True
         if step >= spec.max_steps:
             raise sft.WarmStartError(
-                f"{LABEL}: after {step} steps greedy calls copy the question in {shares['calls']:.0%} and answers "
-                f"copy the result in {shares['answers']:.0%} of {spec.checks} questions (want {spec.copy_share:.0%}); "
+                f"{LABEL}: after {step} step{'s' * (step != 1)} greedy calls copy the question in "
+                f"{shares['calls']:.0%} and answers copy the result in {shares['answers']:.0%} of {spec.checks} "
+                f"questions (want {spec.copy_share:.0%}); "
                 f"try another seed (python -m magrpo.envs.tool_arith_warm --seed 1) and please report it")
         return False
 

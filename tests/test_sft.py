@@ -65,23 +65,30 @@ def test_a_pinned_child_runs_the_portable_kernels(tmp_path):
         pinned.check()
 
 
-BROKEN = warm.WarmSpec(steps=1, max_steps=2, check_every=1)  # far too few steps to copy anything
+BROKEN = warm.WarmSpec(steps=1, max_steps=1, checks=2)  # far too few steps to copy anything
 
 
-def test_a_warm_start_that_does_not_converge_is_one_line_and_leaves_no_folder(tmp_path):
+def test_a_warm_start_that_does_not_converge_is_one_line_and_leaves_no_folder(tmp_path, capfd):
+    # The base model from the shared cache (linked), the failed build's cache on its own
+    base = tiny_model_path(BROKEN.base)
+    (tmp_path / "tiny").mkdir()
+    (tmp_path / "tiny" / base.name).symlink_to(base)
     with pytest.raises(sft.WarmStartError) as raised:
         warm.warm_model_path(BROKEN, cache_dir=tmp_path)
     message = str(raised.value)
-    assert "\n" not in message and message.startswith("tool_arith warm start: after 2 steps")
+    assert "\n" not in message and message.startswith("tool_arith warm start: after 1 step greedy calls copy")
     assert "try another seed" in message
     assert not any((tmp_path / "tool_arith_warm").iterdir())  # no half-built folder in the cache
+    err = capfd.readouterr().err
+    assert "step 1" in err and "Traceback" not in err and "error:" not in err  # progress passed on, the error not
 
 
-def test_the_warm_start_command_prints_one_line_and_exits_1(tmp_path, capsys):
-    code = sft.main_printing(lambda: warm.warm_model_path(BROKEN, cache_dir=tmp_path))
-    err = capsys.readouterr().err.strip().splitlines()
-    assert code == 1 and err[-1].startswith("error: tool_arith warm start: after 2 steps")
-    assert not any(line.startswith("Traceback") for line in err)
+def test_the_warm_start_command_prints_one_line_and_exits_1(capsys):
+    def build():
+        raise sft.WarmStartError("tool_arith warm start: after 2 steps ...; try another seed")
+
+    assert sft.main_printing(build) == 1
+    assert capsys.readouterr().err.splitlines() == ["error: tool_arith warm start: after 2 steps ...; try another seed"]
 
 
 def test_the_command_line_takes_a_seed():
