@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from envs.code import isolation
+from envs.code import isolation, syscalls
 from envs.code.sandbox import Program, SandboxLimits, run_many
 
 TMP_MB = SandboxLimits().file_size_mb * 4
@@ -38,12 +38,22 @@ def variants() -> dict[str, list[str]]:
              "--unshare-uts": {"--unshare-uts"}, "--unshare-cgroup-try": {"--unshare-cgroup-try"},
              "--disable-userns": {"--disable-userns"}, "--die-with-parent": {"--die-with-parent"},
              "--new-session": {"--new-session"}, "--proc /proc": {"--proc /proc"}, "--dev /dev": {"--dev /dev"},
-             "private /dev/shm": {f"{size} --tmpfs /dev/shm"}, "hidden site-packages": hidden}
-    out = {"all flags (the default)": isolation.bwrap_command(lib, TMP_MB) + python}
-    out.update({f"without {name}": isolation.bwrap_command(lib, TMP_MB, frozenset(drop)) + python
+             "private /dev/shm": {f"{size} --tmpfs /dev/shm"}, "hidden site-packages": hidden,
+             "--seccomp (the syscall filter)": {"--seccomp -1"}}
+    out = {"all flags (the default)": isolation.bwrap_command(lib, TMP_MB, seccomp_fd=-1) + python}
+    out.update({f"without {name}": isolation.bwrap_command(lib, TMP_MB, frozenset(drop), seccomp_fd=-1) + python
                 for name, drop in drops.items()})
     out["no bwrap: python -I -S alone"] = python
     return out
+
+
+def _with_filter(argv: list[str]) -> tuple[list[str], tuple[int, ...]]:
+    """argv with a fresh filter pipe after --seccomp (bwrap reads it to EOF: one per launch, as the
+    sandbox makes one per program; its cost is timed), and that fd to pass."""
+    if "--seccomp" not in argv:
+        return argv, ()
+    fd, at = syscalls.pipe(), argv.index("--seccomp") + 1
+    return [*argv[:at], str(fd), *argv[at + 1:]], (fd,)
 
 
 def launch_costs(launches: int) -> None:
@@ -53,10 +63,13 @@ def launch_costs(launches: int) -> None:
         for label, argv in argvs.items():
             sandboxed = argv[0] == isolation.bwrap()[0]
             uid = isolation.acquire_uid() if os.geteuid() == 0 and sandboxed else None
-            command, keywords = isolation.as_user(uid, argv)
             began = time.perf_counter()
-            subprocess.run(command, check=True, stdin=subprocess.DEVNULL, **keywords)
+            command, fds = _with_filter(argv)
+            command, keywords = isolation.as_user(uid, command)
+            subprocess.run(command, check=True, stdin=subprocess.DEVNULL, pass_fds=fds, **keywords)
             times[label].append((time.perf_counter() - began) * 1000)
+            for fd in fds:
+                os.close(fd)
             if uid is not None:
                 isolation.release_uid(uid)
     default = statistics.median(times["all flags (the default)"])

@@ -184,9 +184,87 @@ ORACLE = ("import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
 STOP_ITERATION = ("def f(x):\n    raise StopIteration\n", ["assert all(map(candidate, [1, 2]))"])
 
 
+# The audit's escape: ptrace the sandbox's PID 1 (bwrap's init: same uid, dumpable), make it run
+# prctl(PR_SET_PDEATHSIG, 0) and setsid() (x86_64: two injected system calls), so that neither the
+# kill of bwrap's process group nor bwrap's death reaches it; then start a daemon. Right answers only
+# if PID 1 let itself be attached; the daemon (`sleep 100`) must not outlive the run either way.
+PID1_HIJACK = """import ctypes, os, subprocess
+libc = ctypes.CDLL(None, use_errno=True)
+libc.ptrace.restype = ctypes.c_long
+libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
+Regs = ctypes.c_ulong * 27  # struct user_regs_struct: rax 10, rsi 13, rdi 14, orig_rax 15, rip 16
+def inject(saved, number, *args):
+    regs = Regs(*saved)
+    regs[10], regs[15], regs[16] = number, 2 ** 64 - 1, saved[16] - 2  # PID 1 sits after wait4's `syscall`
+    for index, value in zip((14, 13), args):
+        regs[index] = value
+    libc.ptrace(13, 1, None, ctypes.byref(regs))  # PTRACE_SETREGS
+    libc.ptrace(9, 1, None, None)  # PTRACE_SINGLESTEP over the syscall instruction
+    os.waitpid(1, 0x40000000)
+def hijack():
+    if libc.ptrace(16, 1, None, None) != 0:  # PTRACE_ATTACH
+        return False
+    os.waitpid(1, 0x40000000)  # __WALL
+    if os.uname().machine == 'x86_64':
+        saved = Regs()
+        libc.ptrace(12, 1, None, ctypes.byref(saved))  # PTRACE_GETREGS
+        inject(saved, 157, 1, 0)  # prctl(PR_SET_PDEATHSIG, 0)
+        inject(saved, 112)  # setsid()
+        libc.ptrace(13, 1, None, ctypes.byref(saved))
+    libc.ptrace(17, 1, None, None)  # PTRACE_DETACH
+    return True
+HIJACKED = hijack()
+subprocess.Popen(['sleep', '100'], start_new_session=True)
+def f(x):
+    return x + 1 if HIJACKED else None
+"""
+
+
+def denied(call: str) -> str:
+    """A program whose answers are right only if `call` (ctypes, libc as `libc`) did not fail with EPERM."""
+    return ("import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+            f"def attempt():\n    {call}\n    return ctypes.get_errno()\n"
+            "ERRNO = attempt()\ndef f(x):\n    return x + 1 if ERRNO != 1 else None\n")
+
+
+LOCK = ("import fcntl, struct\n    fd = os.open(os.__file__, os.O_RDONLY)\n"
+        "    lock = ctypes.create_string_buffer(struct.pack('hhqqi', fcntl.F_RDLCK, 0, 0, 0, 0), 32)\n")
+# The system calls the filter denies, used as an attacker would (x86_64 numbers where libc has no
+# wrapper); each program's answers are right only if its call was not refused with EPERM.
+SYSCALL_PROBES = {
+    "page_cache_fadvise": "fd = os.open('/usr/lib', os.O_RDONLY)\n    libc.posix_fadvise(fd, 0, 0, 4)\n"
+                          "    return libc.posix_fadvise(fd, 0, 0, 4)  # DONTNEED; returns the error",
+    "page_cache_preadv2": "fd = os.open(os.__file__, os.O_RDONLY)\n    buf = ctypes.create_string_buffer(4096)\n"
+                          "    iov = (ctypes.c_void_p * 2)(ctypes.addressof(buf), 4096)\n"
+                          "    libc.syscall(327, fd, iov, 1, 0, 0, 8)  # preadv2(RWF_NOWAIT)",
+    "page_cache_mincore": "fd = os.open(os.__file__, os.O_RDONLY)\n    libc.mmap.restype = ctypes.c_void_p\n"
+                          "    address = libc.mmap(None, 4096, 1, 1, fd, 0)  # PROT_READ, MAP_SHARED\n"
+                          "    libc.mincore(ctypes.c_void_p(address), 4096, ctypes.create_string_buffer(1))",
+    "page_cache_readahead": "fd = os.open(os.__file__, os.O_RDONLY)\n    libc.readahead(fd, 0, 4096)",
+    "keyring": "libc.syscall(248, b'user', b'magrpo-hostile', b'x', 1, -4)  # add_key, the user keyring",
+    "keyctl": "libc.syscall(250, 0, -3, 0)  # keyctl(GET_KEYRING_ID, the session keyring)",
+    "flock_shared_file": "import fcntl\n    fd = os.open(os.__file__, os.O_RDONLY)\n"
+                         "    libc.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)",
+    "fcntl_lock_shared_file": LOCK + "    libc.fcntl(fd, fcntl.F_SETLK, lock)",
+    "fcntl_ofd_lock_high_bits": LOCK + "    libc.syscall(72, fd, ctypes.c_ulong((1 << 32) | 37), lock)  # F_OFD_SETLK",
+    "inotify_shared_file": "fd = libc.inotify_init1(0)\n    libc.inotify_add_watch(fd, os.__file__.encode(), 1)",
+    "process_vm_readv": "buf = ctypes.create_string_buffer(8)\n"
+                        "    iov = (ctypes.c_void_p * 2)(ctypes.addressof(buf), 8)\n"
+                        "    libc.process_vm_readv(1, iov, 1, iov, 1, 0)  # PID 1's memory",
+    "io_uring": "params = ctypes.create_string_buffer(120)\n    libc.syscall(425, 4, params)  # io_uring_setup",
+    "perf_event_open": "attr = ctypes.create_string_buffer(128)\n    libc.syscall(298, attr, 0, -1, -1, 0)",
+    "bpf": "attr = ctypes.create_string_buffer(128)\n    libc.syscall(321, 0, attr, 128)",
+    "userfaultfd": "libc.syscall(323, 1)  # UFFD_USER_MODE_ONLY: allowed unprivileged without the filter",
+    "clear_own_parent_death_signal": "libc.prctl(1, 0, 0, 0, 0)  # PR_SET_PDEATHSIG",
+}
+
+
 def corpus(target: Path, checkout: Path) -> dict[str, Program]:
     programs = {name: prog(code) for name, code in {**hostile_corpus(target), **readers(checkout)}.items()}
     programs["stop_iteration_through_map"] = prog(*STOP_ITERATION)
+    programs["ptrace_pid1_then_daemon"] = prog(PID1_HIJACK)
+    if os.uname().machine == "x86_64":  # the probes name x86_64 system call numbers
+        programs.update({name: prog(denied(call)) for name, call in SYSCALL_PROBES.items()})
     return programs
 
 

@@ -4,8 +4,8 @@ as a plain child process with rlimits only (`env.sandbox=unsafe`, an explicit op
 bubblewrap (https://github.com/containers/bubblewrap) is the engine Flatpak builds on; we only choose
 its flags. Every candidate gets fresh user, IPC, PID, network, UTS and cgroup namespaces, a read-only
 view of /usr and of the Python installation (its site-packages hidden) and nothing else of the host
-(no checkout, dataset, home, /etc or judge), a private tmpfs /tmp, and dies with the driver's kill of
-its bwrap process (PID namespace). As root, bwrap itself runs under a fresh unprivileged uid: the
+(no checkout, dataset, home, /etc or judge), a private tmpfs /tmp, a seccomp filter (syscalls.py), and
+dies with the driver's kill of its PID 1 (PID namespace). As root, bwrap itself runs under a fresh unprivileged uid: the
 kernel never enforces RLIMIT_NPROC on root-owned processes, even inside a user namespace.
 docs/environments.md lists what each mode does and does not protect against.
 """
@@ -23,6 +23,8 @@ import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+
+from . import syscalls
 
 HERE = Path(__file__).resolve().parent
 MODES = ("bwrap", "unsafe")
@@ -149,11 +151,17 @@ def _root_dirs() -> tuple[str, ...]:
 UNSHARE = ("--unshare-user", "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try")
 
 
-def bwrap_command(lib: str, tmp_mb: int, drop: frozenset[str] = frozenset()) -> list[str]:
-    """The bwrap argv up to `--`. `drop`: flags to leave out, for bench/bench_sandbox.py only."""
+def bwrap_command(lib: str, tmp_mb: int, drop: frozenset[str] = frozenset(), seccomp_fd: int | None = None,
+                  info_fd: int | None = None) -> list[str]:
+    """The bwrap argv up to `--`. `seccomp_fd`: a read end holding the syscall filter (syscalls.pipe());
+    `info_fd`: where bwrap writes its PID 1's pid (`child-pid`, JSON). `drop`: flags to leave out, for
+    bench/bench_sandbox.py only."""
     path, version = bwrap()
     python = interpreter()
     args = [path, *UNSHARE, "--die-with-parent", "--new-session", "--clearenv"]
+    for flag, fd in (("--seccomp", seccomp_fd), ("--info-fd", info_fd)):
+        if fd is not None:
+            args += [flag, str(fd)]
     if version >= (0, 8, 0):
         args.append("--disable-userns")  # no nested user namespaces: less of the kernel within reach
     for key, value in {**ENV, "HOME": "/tmp", "TMPDIR": "/tmp"}.items():
@@ -192,16 +200,25 @@ def candidate_lib(mode: str) -> str:
 
 @functools.lru_cache(maxsize=None)
 def check(mode: str) -> None:
-    """Start-up check: in bwrap mode, one sandboxed interpreter must start and exit cleanly, or
-    SandboxUnavailable says why (no bwrap, user namespaces disabled, an unreadable Python)."""
+    """Start-up check: in bwrap mode, the syscall filter must build and one sandboxed interpreter start
+    under it and exit cleanly, or SandboxUnavailable says why (no bwrap, no libseccomp, user namespaces
+    disabled, an unreadable Python)."""
     if mode != "bwrap":
         return
+    try:  # refused without it: the policy is the attacker, and it ptraced PID 1 without a filter
+        syscalls.program()
+    except syscalls.FilterUnavailable as e:
+        raise SandboxUnavailable(f"{e}; or, knowing that a program can then forge its reward and escape, "
+                                 f"set env.sandbox=unsafe") from None
     uid = acquire_uid() if os.geteuid() == 0 else None
+    filter_fd = syscalls.pipe()
     try:
-        command, keywords = as_user(uid, [*bwrap_command(candidate_lib(mode), 1), interpreter().executable,
-                                          "-I", "-S", "-c", "pass"])
-        done = subprocess.run(command, capture_output=True, text=True, timeout=60, **keywords)
+        command, keywords = as_user(uid, [*bwrap_command(candidate_lib(mode), 1, seccomp_fd=filter_fd),
+                                          interpreter().executable, "-I", "-S", "-c", "pass"])
+        done = subprocess.run(command, capture_output=True, text=True, timeout=60, pass_fds=(filter_fd,),
+                              **keywords)
     finally:
+        os.close(filter_fd)
         if uid is not None:
             release_uid(uid)
     if done.returncode != 0:

@@ -33,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Iterator, Sequence
 
-from . import isolation, wire
+from . import isolation, syscalls, wire
 from .isolation import BOOT, ENV, MODES, SANDBOX_LIB
 
 DRAIN_S = 0.5  # after the candidate is gone: how long to wait for its output still in flight
@@ -206,18 +206,25 @@ def _exit_reason(returncode: int | None) -> str:
 
 def _spawn(setup: dict, mode: str, workdir: str | None, uid: int | None, fds: tuple[int, ...]) -> subprocess.Popen:
     boot = ["-I", "-S", "-c", BOOT.format("candidate")]
+    ours: tuple[int, ...] = ()  # this call's own fd for bwrap: closed here once it has it
     if mode == "bwrap":  # bwrap clears the environment and sets the sandbox's own
         lib = isolation.candidate_lib(mode)
-        argv = [*isolation.bwrap_command(lib, setup["tmp_mb"]), isolation.interpreter().executable, *boot,
-                SANDBOX_LIB, repr(setup)]
+        filter_fd = syscalls.pipe()
+        ours = (filter_fd,)
+        argv = [*isolation.bwrap_command(lib, setup["tmp_mb"], seccomp_fd=filter_fd),
+                isolation.interpreter().executable, *boot, SANDBOX_LIB, repr(setup)]
         cwd, env = "/", {}
     else:
         argv = [sys.executable, *boot, isolation.candidate_lib(mode), repr(setup)]
         cwd, env = workdir, {**ENV, "HOME": workdir, "TMPDIR": workdir}
     argv, keywords = isolation.as_user(uid, argv)
-    return subprocess.Popen(
-        argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        pass_fds=fds, start_new_session=True, **keywords)
+    try:
+        return subprocess.Popen(
+            argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            pass_fds=fds + ours, start_new_session=True, **keywords)
+    finally:
+        for fd in ours:
+            os.close(fd)
 
 
 def _status(data: bytes) -> dict:
