@@ -239,6 +239,51 @@ def test_the_surface_probe_sees_the_calls_without_the_filter(monkeypatch):
         assert errors[name] != 1, (name, errors)
 
 
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="the hijack injects x86_64 system calls")
+def test_a_pid1_that_ignores_its_parents_death_is_killed_from_outside(monkeypatch):
+    """The audit's program ptraced the sandbox's PID 1, cleared its parent-death signal and moved it to
+    a session of its own: killing bwrap's process group then left PID 1 and a daemon running past the
+    run. The filter now refuses ptrace; here it is left out, so the hijack works, and the driver's own
+    kill of PID 1 (a pidfd of bwrap's --info-fd child-pid) must still take the daemon with it."""
+    _without_the_filter(monkeypatch)
+    result = run_program(prog(hostile.PID1_HIJACK), FAST)
+    assert result.passed == 2, result  # PID 1 was attached: the attack ran
+    assert _wait_for_no_leftovers(3) == []
+
+
+TRAINER = """import sys, time
+from magrpo.envs.code.sandbox import run_program
+from tests.hostile import FAST, PID1_HIJACK, prog
+if sys.argv[1] == "unfiltered":
+    from magrpo.envs.code import isolation
+    command = isolation.bwrap_command
+    isolation.bwrap_command = lambda *a, seccomp_fd=None, **k: command(*a, **k)
+run_program(prog(PID1_HIJACK + "__import__('time').sleep(100)\\n", ["assert candidate(1)"]),
+            FAST.__class__(timeout_s=100, cpu_s=100))
+"""
+
+
+def test_nothing_of_a_sandbox_outlives_a_killed_trainer():
+    """The trainer dies (SIGKILL) while a program that tried the PID 1 hijack and started a daemon is
+    still loading: bwrap, its PID 1 and so every process inside die with it (--die-with-parent), since
+    the filter refuses the ptrace. (Without the filter the hijacked PID 1 and the daemon outlived the
+    trainer: checked by hand when the filter came, see the commit.)"""
+    trainer = subprocess.Popen([sys.executable, "-c", TRAINER, "filtered"], cwd=CHECKOUT, stdin=subprocess.DEVNULL)
+    uids = range(isolation.UID_BASE, isolation.UID_BASE + isolation.UID_SPAN)
+    try:
+        deadline = time.monotonic() + 30
+        while not any("sleep" in line for line in hostile.leftovers(uids)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert trainer.poll() is None, "the trainer ended before its sandbox started the daemon"
+    finally:
+        trainer.kill()
+        trainer.wait()
+    left = _wait_for_no_leftovers(3)
+    for line in left:  # never leave them for the next test
+        os.kill(int(line.split()[0]), 9)
+    assert left == []
+
+
 NOBODY = 65534
 
 

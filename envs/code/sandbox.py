@@ -20,6 +20,8 @@ import contextlib
 import functools
 import json
 import os
+import re
+import select
 import selectors
 import shutil
 import signal
@@ -204,14 +206,24 @@ def _exit_reason(returncode: int | None) -> str:
         return f"crashed: killed by signal {-returncode}"
 
 
-def _spawn(setup: dict, mode: str, workdir: str | None, uid: int | None, fds: tuple[int, ...]) -> subprocess.Popen:
+class _Runner(subprocess.Popen):
+    """The candidate's runner: bwrap (or, unsafe, the candidate itself), and with bwrap the read end of
+    its --info-fd, then a pidfd of the sandbox's PID 1 (`watch_pid1`), which `_kill` kills."""
+
+    info_fd: int | None = None
+    pid1: int | None = None
+
+
+def _spawn(setup: dict, mode: str, workdir: str | None, uid: int | None, fds: tuple[int, ...]) -> _Runner:
     boot = ["-I", "-S", "-c", BOOT.format("candidate")]
-    ours: tuple[int, ...] = ()  # this call's own fd for bwrap: closed here once it has it
+    ours: tuple[int, ...] = ()  # this call's own fds for bwrap: closed here once it has them
+    info_r = None
     if mode == "bwrap":  # bwrap clears the environment and sets the sandbox's own
         lib = isolation.candidate_lib(mode)
         filter_fd = syscalls.pipe()
-        ours = (filter_fd,)
-        argv = [*isolation.bwrap_command(lib, setup["tmp_mb"], seccomp_fd=filter_fd),
+        info_r, info_w = os.pipe()
+        ours = (filter_fd, info_w)
+        argv = [*isolation.bwrap_command(lib, setup["tmp_mb"], seccomp_fd=filter_fd, info_fd=info_w),
                 isolation.interpreter().executable, *boot, SANDBOX_LIB, repr(setup)]
         cwd, env = "/", {}
     else:
@@ -219,12 +231,56 @@ def _spawn(setup: dict, mode: str, workdir: str | None, uid: int | None, fds: tu
         cwd, env = workdir, {**ENV, "HOME": workdir, "TMPDIR": workdir}
     argv, keywords = isolation.as_user(uid, argv)
     try:
-        return subprocess.Popen(
+        proc = _Runner(
             argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             pass_fds=fds + ours, start_new_session=True, **keywords)
+    except BaseException:
+        if info_r is not None:
+            os.close(info_r)
+        raise
     finally:
         for fd in ours:
             os.close(fd)
+    proc.info_fd = info_r
+    return proc
+
+
+def watch_pid1(proc: _Runner, wait_s: float) -> None:
+    """Opens a pidfd of the sandbox's PID 1 (bwrap's `child-pid`), so that `_kill` kills it itself:
+    a program that reaches PID 1 (the audit ptraced it and cleared its parent-death signal) must not
+    keep it, and with it a daemon, alive past the kill of bwrap. Waits up to `wait_s` for bwrap to say."""
+    fd, proc.info_fd = proc.info_fd, None
+    if fd is None:
+        return
+    data, until = b"", time.monotonic() + wait_s
+    try:  # to EOF (bwrap closes it right after): closed earlier, its next write would kill bwrap (SIGPIPE)
+        while select.select([fd], [], [], max(0.0, until - time.monotonic()))[0]:
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                break
+            data += chunk
+    finally:
+        os.close(fd)
+    match = re.search(rb'"child-pid":\s*(\d+)', data)
+    if match is None:  # bwrap failed before it made a sandbox (its stderr says why)
+        return
+    pid = int(match[1])
+    try:
+        pidfd = os.pidfd_open(pid)
+    except (AttributeError, OSError):  # gone already, and every process of its namespace with it
+        return
+    if _parent(pid) == proc.pid:  # bwrap (not reaped yet) forks once: this is its PID 1, not a reused pid
+        proc.pid1 = pidfd
+    else:
+        os.close(pidfd)
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def _status(data: bytes) -> dict:
@@ -265,6 +321,7 @@ def _run(program: Program, limits: SandboxLimits, workdir: str | None, uid: int 
     finally:
         os.close(request_w)
         os.close(reply_r)
+    watch_pid1(proc, limits.timeout_s)
     try:
         pidfd = os.pidfd_open(proc.pid)  # readable when the runner exits (Linux >= 5.3)
     except (AttributeError, OSError):
@@ -332,9 +389,18 @@ def _drain_status(sel: selectors.BaseSelector, status_r: int, sink: _Capped) -> 
     return bytes(sink.data)
 
 
-def _kill(proc: subprocess.Popen) -> None:
-    """SIGKILL the candidate's process group. With bwrap, that is the sandbox's bwrap process; its PID 1
-    inside dies with it (--die-with-parent), and with PID 1 every process of the namespace."""
+def _kill(proc: _Runner) -> None:
+    """SIGKILL the sandbox's PID 1 through its pidfd (with PID 1 every process of its PID namespace dies,
+    whatever the program did to PID 1's parent-death signal), then the candidate's process group (bwrap
+    itself; unsafe: the program and the children it did not move out)."""
+    pidfd, proc.pid1 = proc.pid1, None
+    if pidfd is not None:
+        try:
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        finally:
+            os.close(pidfd)
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:

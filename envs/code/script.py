@@ -10,7 +10,7 @@ import selectors
 import time
 from dataclasses import asdict, dataclass
 
-from .sandbox import DRAIN_S, SandboxLimits, _Capped, _kill, _pump, _signalled, _spawn, _status, confinement
+from .sandbox import DRAIN_S, SandboxLimits, _Capped, _kill, _pump, _signalled, _spawn, _status, confinement, watch_pid1
 
 MAX_SOURCE_BYTES = 60_000  # the whole snippet waits in a pipe (64 KiB on Linux) before the sandbox starts
 
@@ -66,6 +66,7 @@ def _run(data: bytes, limits: SandboxLimits, workdir: str | None, uid: int | Non
     finally:
         os.close(script_r)  # only the sandbox holds these ends now
         os.close(status_w)
+    watch_pid1(proc, limits.timeout_s)
     try:
         pidfd = os.pidfd_open(proc.pid)  # readable when the runner exits: no wait for its pipes' EOF
     except (AttributeError, OSError):
