@@ -20,6 +20,17 @@ if ! command -v bwrap >/dev/null; then
         "(Fedora: sudo dnf install bubblewrap; Arch: sudo pacman -S bubblewrap)" >&2
 fi
 
+# libseccomp builds the sandbox's system-call filter (envs/code/syscalls.py, through PyPI pyseccomp):
+# installed the same way where it is missing.
+if ! ldconfig -p 2>/dev/null | grep -q 'libseccomp\.so\.2'; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        apt-get install -y -q libseccomp2 >/dev/null 2>&1 \
+            || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q libseccomp2 >/dev/null 2>&1; } || true
+    fi
+    ldconfig -p 2>/dev/null | grep -q 'libseccomp\.so\.2' || echo "setup: the code env needs libseccomp:" \
+        "sudo apt-get install libseccomp2 (Fedora: sudo dnf install libseccomp; Arch: sudo pacman -S libseccomp)" >&2
+fi
+
 . scripts/venv_lib.sh
 want=$(venv_key "$TORCH_SPEC")
 venv_ready "$VENV" "$want" && exit 0  # already set up for this pyproject and this checkout
