@@ -167,6 +167,20 @@ def test_hostile_programs_are_contained(tmp_path):
     os.kill(os.getpid(), 0)  # still here
 
 
+def test_without_libseccomp_bwrap_mode_is_refused_at_start_up_with_what_to_install(monkeypatch):
+    """No filter, no sandbox: the policy is the attacker (it ptraced PID 1 when there was none)."""
+    monkeypatch.setitem(sys.modules, "pyseccomp", None)  # `import pyseccomp` raises ImportError
+    syscalls.program.cache_clear()
+    isolation.check.cache_clear()
+    try:
+        with pytest.raises(isolation.SandboxUnavailable, match="needs libseccomp .*; pip install pyseccomp"):
+            isolation.check("bwrap")
+        isolation.check("unsafe")  # the explicit opt-out still starts
+    finally:
+        syscalls.program.cache_clear()
+        isolation.check.cache_clear()
+
+
 def _without_the_filter(monkeypatch) -> None:
     """bwrap as before the syscall filter (it gets no --seccomp): for the tests that show a hole."""
     command = isolation.bwrap_command
