@@ -254,14 +254,19 @@ def test_the_surface_probe_sees_the_calls_without_the_filter(monkeypatch):
 
 
 @pytest.mark.skipif(os.uname().machine != "x86_64", reason="the hijack injects x86_64 system calls")
-def test_a_pid1_that_ignores_its_parents_death_is_killed_from_outside(monkeypatch):
+@pytest.mark.parametrize("via", ["run_program", "run_python"])
+def test_a_pid1_that_ignores_its_parents_death_is_killed_from_outside(monkeypatch, via):
     """The audit's program ptraced the sandbox's PID 1, cleared its parent-death signal and moved it to
     a session of its own: killing bwrap's process group then left PID 1 and a daemon running past the
     run. The filter now refuses ptrace; here it is left out, so the hijack works, and the driver's own
     kill of PID 1 (a pidfd of bwrap's --info-fd child-pid) must still take the daemon with it."""
     _without_the_filter(monkeypatch)
-    result = run_program(prog(hostile.PID1_HIJACK), FAST)
-    assert result.passed == 2, result  # PID 1 was attached: the attack ran
+    if via == "run_program":  # score() and run_tests
+        result = run_program(prog(hostile.PID1_HIJACK), FAST)
+        assert result.passed == 2, result  # PID 1 was attached: the attack ran
+    else:  # the run_python tool
+        result = run_script(hostile.PID1_HIJACK + "print(HIJACKED)\n", FAST)
+        assert result.stdout == "True\n", result
     assert _wait_for_no_leftovers(3) == []
 
 
