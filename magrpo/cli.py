@@ -7,6 +7,7 @@ runs keep their own run directory layout.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 import sys
 from pathlib import Path
@@ -263,12 +264,14 @@ def _one_line(e: Exception, env_name, config_dir: Path | None, config_name: str)
 
 
 # Config keys whose value is a free-form mapping: a new entry is added the Hydra way, with a leading +.
+# An env's own are the fields of its Config typed `dict` (env=reasoning_gym's env.task_config).
 FREE_MAPPINGS = ("model.chat_template_kwargs",)
 
 
 def _unknown(key: str, env_name) -> ConfigError:
     parent = key.rpartition(".")[0]
-    if parent in FREE_MAPPINGS:
+    env_name = functools.cache(env_name)  # it composes the config again: once
+    if parent in FREE_MAPPINGS or parent.startswith("env.") and _env_field_type(env_name(), parent) is dict:
         return ConfigError(key, f"to add an entry to {parent}, write +{key}=VALUE (Hydra's + adds a key)")
     return ConfigError(
         key, f"unknown key; allowed under {parent or 'the top level'}: {', '.join(_fields_at(parent, env_name))}"
@@ -313,17 +316,25 @@ def _fields_at(path: str, env_name) -> list[str]:
 
 
 def _env_fields(env_name: str | None, parts: list[str]) -> list[str]:
-    import typing
-
     from .env import ENVS
 
     if env_name not in ENVS:
         return ["name"]
-    node: object = ENVS.get(env_name).Config
-    for part in parts:
-        node = typing.get_type_hints(node).get(part) if dataclasses.is_dataclass(node) else None
+    node = _env_field_type(env_name, ".".join(["env", *parts]))
     names = [f.name for f in dataclasses.fields(node)] if dataclasses.is_dataclass(node) else []
     return (["name"] if not parts else []) + sorted(names)
+
+
+def _env_field_type(env_name: str | None, path: str) -> object:
+    """The type of env key `path` ("env.reward.tests") in env `env_name`'s Config (None: no such key)."""
+    import typing
+
+    from .env import ENVS
+
+    node: object = ENVS.get(env_name).Config if env_name in ENVS else None
+    for part in path.split(".")[1:]:
+        node = typing.get_type_hints(node).get(part) if dataclasses.is_dataclass(node) else None
+    return node
 
 
 def show(cfg: TrainConfig, hydra: dict, part: str) -> str:
