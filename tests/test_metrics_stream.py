@@ -17,10 +17,12 @@ NUM_TURNS, NUM_AGENTS, NUM_SAMPLES = 2, 2, 2
 def documented_metrics() -> list[str]:
     """Metric names of the metrics table in docs/outputs.md, with {t}, {a} and {k} expanded. Rows logged only
     with backend=vllm are left to tests/test_vllm_train.py (the vllm venv), those of tools and inserted tokens
-    to tests/test_tools.py and tests/test_loss_mask.py (this run has neither)."""
+    to tests/test_tools.py and tests/test_loss_mask.py (this run has neither), the reasoning_gym env's to
+    tests/test_reasoning_gym.py (this run is the code env's)."""
     readme = (ROOT / "docs" / "outputs.md").read_text()
     table = readme.split("| metric | meaning | logged |")[1].split("\n\n")[0]
-    elsewhere = ("| `backend=vllm` |", "| `tools=[...]` |", "| steps where a completion carries a `model_mask` |")
+    elsewhere = ("| `backend=vllm` |", "| `tools=[...]` |", "| steps where a completion carries a `model_mask` |",
+                 "reasoning_gym env |")
     names = []
     for row in table.strip().splitlines()[1:]:
         if row.rstrip().endswith(elsewhere):

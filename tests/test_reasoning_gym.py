@@ -210,7 +210,8 @@ def test_two_agents_train_two_steps_of_two_turns_on_a_task(rg, make_cfg):
                          "trainer.num_turns=2", "env.train_size=4", "env.eval_size=2"))
     metrics = [json.loads(line) for line in open(run / "metrics.jsonl")]
     assert [m["step"] for m in metrics] == [1, 2] and "env/verifier_errors" in metrics[-1]
-    for key in ("train/agent_1/grad_norm", "eval/turn_1/pass@1_greedy", "eval/turn_1/solver_score_mean"):
+    for key in ("train/agent_1/grad_norm", "eval/turn_1/pass@1_greedy", "eval/turn_1/solver_score_mean",
+                "eval/turn_1/greedy_solver_score_mean", "eval/turn_1/greedy_passed_mean"):
         assert key in metrics[-1], key
     tree = json.loads(open(run / "rollouts.jsonl").readline())
     checker = tree["nodes"][1]["prompts"][1]  # turn 1: the checker sees the solver's reply and its own verdict
