@@ -315,6 +315,12 @@ def _unprivileged_python() -> str | None:
     return None
 
 
+def private_copies(uid: int) -> list[Path]:
+    """The judge's and the candidate's private module folders in /tmp that `uid` owns."""
+    return [p for p in Path(tempfile.gettempdir()).glob("magrpo-*")
+            if p.name.startswith(("magrpo-judge-", "magrpo-candidate-")) and p.stat().st_uid == uid]
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not ROOT or not shutil.which("setpriv"), reason="needs root and setpriv to become `nobody`")
 def test_hostile_programs_are_contained_for_an_unprivileged_trainer():
@@ -324,6 +330,8 @@ def test_hostile_programs_are_contained_for_an_unprivileged_trainer():
     python = _unprivileged_python()
     if python is None:
         pytest.skip("no Python that `nobody` can run")
+    for stale in private_copies(NOBODY):  # left by runs before the fix: they would hide nothing, but count
+        shutil.rmtree(stale)
     folder = Path(tempfile.mkdtemp(prefix="magrpo-unprivileged-"))
     try:
         shutil.copytree(CHECKOUT / "envs" / "code", folder / "envs" / "code",
@@ -343,6 +351,7 @@ def test_hostile_programs_are_contained_for_an_unprivileged_trainer():
         assert done.returncode == 0, done.stderr[-3000:]
         assert json.loads(done.stdout.splitlines()[-1]) == []
         assert hostile.leftovers(range(NOBODY, NOBODY + 1)) == []
+        assert private_copies(NOBODY) == []  # the judge's and candidate's read-only copies are removed at exit
         # Without bubblewrap, the same user gets the start-up refusal (the env turns it into env.sandbox's line)
         check = "from envs.code import isolation; isolation.check('bwrap')"
         refused = subprocess.run([*as_nobody, python, "-E", "-s", "-c", check], cwd=folder, capture_output=True,

@@ -71,8 +71,19 @@ def private_copy(prefix: str, names: tuple[str, ...], python: str, mode: int) ->
         for name in files:
             os.chmod(os.path.join(root, name), mode & 0o444)
         os.chmod(root, mode)
-    atexit.register(shutil.rmtree, folder, True)
+    atexit.register(remove, folder)
     return folder
+
+
+def remove(folder: str) -> None:
+    """Remove a private copy, write bits first: its folders are read-only (the judge's 0500), which root
+    ignores but an unprivileged owner does not (rmtree then left every /tmp/magrpo-judge-* behind)."""
+    for root, _, _ in os.walk(folder):
+        try:
+            os.chmod(root, 0o700)
+        except OSError:
+            pass
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def _others_can_read(path: str) -> bool:
