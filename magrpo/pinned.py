@@ -47,21 +47,24 @@ def pinned_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
     return {**(os.environ if base is None else base), **PORTABLE_KERNELS}
 
 
+def missing() -> dict[str, str]:
+    """The pins this process's environment lacks."""
+    return {k: v for k, v in PORTABLE_KERNELS.items() if os.environ.get(k) != v}
+
+
 def active() -> bool:
     """Whether this process runs pinned (its environment holds the pins and torch took them)."""
     import torch
 
-    return (all(os.environ.get(k) == v for k, v in PORTABLE_KERNELS.items())
-            and torch.backends.cpu.get_cpu_capability() == "AVX2")
+    return not missing() and torch.backends.cpu.get_cpu_capability() == "AVX2"
 
 
 def check() -> None:
     """Raise unless this process runs the pinned kernels (the child calls this before any work)."""
     import torch
 
-    missing = {k: v for k, v in PORTABLE_KERNELS.items() if os.environ.get(k) != v}
-    if missing:
-        raise RuntimeError(f"pinned kernels: not set in this process: {missing}")
+    if missing():
+        raise RuntimeError(f"pinned kernels: not set in this process: {missing()}")
     capability = torch.backends.cpu.get_cpu_capability()
     if capability != "AVX2":
         raise RuntimeError(f"pinned kernels: torch runs {capability} kernels, not AVX2 (a CPU without AVX2?)")
@@ -97,6 +100,6 @@ def main(argv: Sequence[str]) -> int:
 
 
 if __name__ == "__main__":
-    if any(os.environ.get(k) != v for k, v in PORTABLE_KERNELS.items()):  # before torch loads: pin, start again
+    if missing():  # before torch loads: pin, start again
         os.execve(sys.executable, command(sys.argv[1:]), pinned_env())
     sys.exit(main(sys.argv[1:]))

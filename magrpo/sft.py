@@ -8,7 +8,6 @@ recipe gives one model on every CPU kind.
 """
 from __future__ import annotations
 
-import inspect
 import math
 import sys
 import time
@@ -43,6 +42,8 @@ def loss(model, batch: Sequence[Example], choices, target, pad_id: int):
     import torch
     import torch.nn.functional as F
 
+    from .models import cache_keyword
+
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     body, head = base.model, base.lm_head
     width = max(len(e.ids) for e in batch)
@@ -50,7 +51,7 @@ def loss(model, batch: Sequence[Example], choices, target, pad_id: int):
     learn = torch.tensor([e.learn + [False] * (width - len(e.learn)) for e in batch])
     learn[torch.arange(len(batch)), torch.tensor([e.decide for e in batch])] = False
     shared = _shared_prefix(batch)
-    key = "cache" if "cache" in inspect.signature(body.forward).parameters else "past_key_values"
+    key = cache_keyword(model)
     extra = {}
     with warnings.catch_warnings():  # older transformers warn on the newer name's absence
         warnings.simplefilter("ignore", FutureWarning)

@@ -26,9 +26,6 @@ from pathlib import Path
 
 import pytest
 
-from magrpo import pinned
-from tests.conftest import ROOT, SMALL
-
 DATA = Path(__file__).parent / "data"
 ROLLOUTS = DATA / "default_rollouts.jsonl"
 UPDATES = DATA / "default_update_metrics.json"
@@ -37,15 +34,6 @@ REGEN = os.environ.get("MAGRPO_REGEN_GOLDEN") == "1"
 # Only what cannot change a rollout: the device, no evaluation, no console output, no checkpoint
 # beyond the last.
 PINNED = ["trainer.steps=3", "model.device=cpu", "eval.at_end=false"]
-
-def pinned_run(run_dir: Path) -> Path:
-    """The run in a child pinned to kernels every x86 machine of this kind runs alike (magrpo.pinned;
-    the child checks the pins took effect). Checked: on the AVX2 machine the run gives the same bytes
-    whatever ATEN_CPU_CAPABILITY the parent process has."""
-    proc = pinned.run([*SMALL, *PINNED, f"logging.run_dir={run_dir}"], env={"HF_HUB_OFFLINE": "1"}, cwd=ROOT,
-                      capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return run_dir
 
 
 def update_metrics(run: Path) -> list[dict[str, float]]:
@@ -64,8 +52,8 @@ def first_difference(got: list[str], want: list[str]) -> str:
 
 
 @pytest.mark.slow
-def test_default_config_rollouts_are_unchanged(tmp_path):
-    run = pinned_run(tmp_path / "run")
+def test_default_config_rollouts_are_unchanged(pinned_train):
+    run = pinned_train(*PINNED)  # on the AVX2 machine: the same bytes whatever ATEN_CPU_CAPABILITY the parent has
     got = (run / "rollouts.jsonl").read_text()
     updates = update_metrics(run)
     if REGEN:
