@@ -74,6 +74,9 @@ def hostile_corpus(target: Path) -> dict[str, str]:
         "raise_system_exit": "def f(x):\n    raise SystemExit\n",
         "raise_keyboard_interrupt": "def f(x):\n    raise KeyboardInterrupt\n",
         "write_outside_workdir": f"def f(x):\n    open({str(target)!r}, 'w').write('escaped')\n" + ok,
+        # bwrap's own / and /dev are tmpfs without a size: 100 MB there was memory past every cap
+        "fill_root": "def f(x):\n    open('/fill.bin', 'wb').write(b'0' * (100 * 1024 ** 2))\n" + ok,
+        "fill_dev": "def f(x):\n    open('/dev/fill.bin', 'wb').write(b'0' * (100 * 1024 ** 2))\n" + ok,
         "fill_disk": "def f(x):\n    open('big.bin', 'wb').write(b'0' * (64 * 1024 ** 2))\n" + ok,
         "socket_to_localhost": "import socket\ndef f(x):\n    s = socket.socket()\n    s.connect(('127.0.0.1', 22))\n"
                                 "    s.recv(1)\n    return None\n",
@@ -241,6 +244,7 @@ SYSCALL_PROBES = {
                           "    address = libc.mmap(None, 4096, 1, 1, fd, 0)  # PROT_READ, MAP_SHARED\n"
                           "    libc.mincore(ctypes.c_void_p(address), 4096, ctypes.create_string_buffer(1))",
     "page_cache_readahead": "fd = os.open(os.__file__, os.O_RDONLY)\n    libc.readahead(fd, 0, 4096)",
+    "memfd": "libc.memfd_create(b'magrpo-hostile', 0)  # memory RLIMIT_AS does not count",
     "keyring": "libc.syscall(248, b'user', b'magrpo-hostile', b'x', 1, -4)  # add_key, the user keyring",
     "keyctl": "libc.syscall(250, 0, -3, 0)  # keyctl(GET_KEYRING_ID, the session keyring)",
     "flock_shared_file": "import fcntl\n    fd = os.open(os.__file__, os.O_RDONLY)\n"
@@ -325,6 +329,9 @@ def violations(results: dict, target: Path, mode: str) -> list[str]:
         expect(all("MemoryError" in (c.error or "") for c in results[name].cases), f"{name}: {results[name].cases}")
     expect(results["print_50mb"].stdout.startswith("xxx") and not results["print_50mb"].timed_out, "print_50mb")
     expect("File too large" in error("fill_disk"), f"fill_disk: {error('fill_disk')!r}")
+    if mode == "bwrap":  # unsafe: the program writes where its user may
+        for name in ("fill_root", "fill_dev"):
+            expect("Read-only file system" in error(name), f"{name}: {error(name)!r}")
     for name, kind in (("always_equal", "Yes"), ("truthy_comparison", "T"), ("raising_repr", "R"),
                        ("int_subclass", "I (a subclass of int)"), ("generator_return", "generator"),
                        ("function_return", "function")):

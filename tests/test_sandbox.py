@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from magrpo.envs.code import isolation, syscalls
+from magrpo.envs.code import cgroups, isolation, syscalls
 from magrpo.envs.code.sandbox import run_many, run_program
 from magrpo.envs.code.script import run_script
 from tests import hostile
@@ -301,6 +301,8 @@ def test_nothing_of_a_sandbox_outlives_a_killed_trainer():
     for line in left:  # never leave them for the next test
         os.kill(int(line.split()[0]), 9)
     assert left == []
+    cgroups.sweep()  # what the next trainer does at start-up: the killed one's groups go
+    assert not list(Path(cgroups.CGROUP_ROOT).glob(f"*/**/{cgroups.PREFIX}{trainer.pid}-*"))
 
 
 NOBODY = 65534
@@ -373,3 +375,139 @@ def test_an_older_bwrap_gets_only_the_flags_it_knows(monkeypatch):
     old = isolation.bwrap_command("/lib", 40)
     assert "--disable-userns" not in old and "--size" not in old
     assert [a for a in full if a not in ("--disable-userns", "--size", str(40 << 20))] == old
+
+
+# ---- resources the kernel accounts for the whole sandbox (cgroups.py) ------------------------------
+
+HAS_GROUP = cgroups.hierarchy() is not None
+needs_group = pytest.mark.skipif(not HAS_GROUP, reason="no cgroup for sandboxes here (not root, no delegated v2)")
+# Three children of 150 MB each: each under RLIMIT_AS, together past the sandbox's 256 MB
+FORK_HUNGRY = """import os, time
+kids = []
+for _ in range(3):
+    pid = os.fork()
+    if pid == 0:
+        block = bytearray(150 * 2 ** 20)
+        for i in range(0, len(block), 4096):
+            block[i] = 1
+        time.sleep(1)
+        os._exit(0)
+    kids.append(pid)
+print(sorted(os.waitstatus_to_exitcode(os.waitpid(kid, 0)[1]) for kid in kids))
+"""
+
+
+@needs_group
+@pytest.mark.parametrize("mode", ["bwrap", "unsafe"])
+def test_memory_is_capped_for_the_sandbox_as_a_whole(mode):
+    """RLIMIT_AS is per process: three children of 150 MB each all ran under a 256 MB limit. The
+    sandbox's cgroup counts them together, and its OOM killer takes one or more."""
+    limits = dataclasses.replace(FAST, memory_mb=256, timeout_s=10, mode=mode)
+    result = run_script(FORK_HUNGRY, limits)
+    assert result.returncode == 0, result
+    assert -9 in json.loads(result.stdout), result.stdout
+
+
+def test_root_and_dev_of_the_sandbox_are_read_only():
+    """bwrap's / and /dev are tmpfs of no size: 160 MB went there against a documented 40 MB."""
+    result = run_script("import os\nfor path in ('/fill', '/dev/fill', '/tmp/fill'):\n"
+                        "    try:\n        open(path, 'wb').write(b'0' * 1000)\n        print(path, 'written')\n"
+                        "    except OSError as e:\n        print(path, e.strerror)\n", FAST)
+    assert result.stdout.splitlines() == ["/fill Read-only file system", "/dev/fill Read-only file system",
+                                          "/tmp/fill written"], result
+
+
+DAEMON = ("import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
+          "        print(os.getpid(), flush=True)\n        time.sleep(100)\n    os._exit(0)\ntime.sleep(0.5)\n")
+
+
+@needs_group
+def test_a_daemon_that_left_its_session_dies_with_an_unsafe_sandbox_too():
+    """Unsafe mode has no PID namespace: the driver's kill of the process group missed a double-forked,
+    setsid daemon. The sandbox's cgroup lists it, and the driver kills it."""
+    result = run_script(DAEMON, dataclasses.replace(FAST, mode="unsafe"))
+    pid = int(result.stdout.split()[0])
+    gone = _wait_gone(pid, 3)
+    if not gone:
+        os.kill(pid, 9)
+    assert gone
+
+
+def _wait_gone(pid: int, seconds: float) -> bool:
+    """Whether `pid` is gone (or a zombie) within `seconds`."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            if "\nState:\tZ" in Path(f"/proc/{pid}/status").read_text():
+                return True
+        except OSError:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+
+
+@pytest.mark.skipif(not ROOT or not cgroups.pins_oom_score(), reason="needs root with CAP_SYS_RESOURCE "
+                    "(some containers' root lacks it: then describe() says the score is not pinned)")
+def test_the_program_cannot_lower_its_oom_score():
+    """The candidate set oom_score_adj 1000 itself, and could set it back to 0 (the OOM killer then takes
+    the trainer first). Set from outside, by root, 1000 is a floor."""
+    result = run_script("open('/proc/self/oom_score_adj', 'w').write('0')", FAST)
+    assert result.returncode == 1 and "PermissionError" in result.stderr, result
+
+
+@needs_group
+def test_groups_left_by_a_killed_trainer_are_killed_and_removed_at_the_next_start(tmp_path):
+    """A trainer killed with -9 removes nothing: the next one (here: a fresh look at the hierarchy)
+    kills what is left in the dead trainer's groups and removes them."""
+    found = cgroups.hierarchy()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = found.folders["memory"].parent / f"{cgroups.PREFIX}{dead.stdout.strip()}-1"
+    (stale / "sandbox-0").mkdir(parents=True)
+    # an orphan, as a dead trainer's would be (init reaps it), in the dead trainer's group
+    procs = stale / "sandbox-0" / "cgroup.procs"
+    orphan = int(subprocess.run(["sh", "-c", f"sh -c 'echo $$ > {procs} && exec sleep 100' >/dev/null 2>&1 & echo $!"],
+                                capture_output=True, text=True).stdout)
+    try:
+        deadline = time.monotonic() + 5
+        while procs.read_text().split() != [str(orphan)] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert procs.read_text().split() == [str(orphan)]
+        cgroups._sweep(stale.parent)
+        assert not stale.exists()
+        assert _wait_gone(orphan, 3)
+    finally:
+        if not _wait_gone(orphan, 0):
+            os.kill(orphan, 9)
+        for folder in (stale / "sandbox-0", stale):
+            if folder.exists():
+                folder.rmdir()
+
+
+def test_cgroup_v2_groups_are_made_with_their_limits_and_killed_with_cgroup_kill(tmp_path, monkeypatch):
+    """The v2 path on a stand-in folder (these machines have v1): the trainer's folder hands memory and
+    pids down, each sandbox's group gets memory.max (no swap) and pids.max, and is killed by cgroup.kill."""
+    own = tmp_path / "user.slice" / "scope"
+    own.mkdir(parents=True)
+    (own / "cgroup.controllers").write_text("cpu memory pids\n")
+    monkeypatch.setattr(cgroups, "_mounts", lambda root: {"": tmp_path})
+    monkeypatch.setattr(cgroups, "_own_groups", lambda: {"": "/user.slice/scope"})
+    monkeypatch.setattr(cgroups, "OPTIONAL", frozenset())  # a stand-in has no files: write them all
+    monkeypatch.setattr(cgroups.atexit, "register", lambda *args: None)  # nothing of it to remove at exit
+    found = cgroups.hierarchy.__wrapped__()
+    assert found.version == 2 and found.folders[""].parent == own
+    assert (found.folders[""] / "cgroup.subtree_control").read_text() == "+memory +pids"
+    monkeypatch.setattr(cgroups, "hierarchy", lambda: found)
+    group = cgroups.create(300, 66)
+    folder = group.folders[0]
+    assert group.procs == [str(folder / "cgroup.procs")]
+    assert [(folder / key).read_text() for key in ("memory.max", "memory.swap.max", "pids.max")] == \
+        [str(300 << 20), "0", "66"]
+    group.kill()
+    assert (folder / "cgroup.kill").read_text() == "1"
+
+
+def test_start_up_says_which_limits_hold_where_there_is_no_cgroup(monkeypatch):
+    monkeypatch.setattr(cgroups, "hierarchy", lambda: None)
+    line, all_hold = cgroups.describe(1024, 64)
+    assert not all_hold and line.startswith("sandbox limits: no cgroup here") and "not for a sandbox as a whole" in line

@@ -14,7 +14,7 @@ from magrpo.env import ENVS, Environment, Scored
 from magrpo.errors import valid_text
 from magrpo.metrics import Counter, Gauge
 
-from . import isolation
+from . import cgroups, isolation
 from .examples import visible_examples
 from .isolation import MODES, SandboxUnavailable
 from .judge import unsupported_reason
@@ -98,12 +98,16 @@ class CodeEnv(Environment):
             isolation.check(cfg.sandbox)
         except SandboxUnavailable as e:
             raise ConfigError("env.sandbox", str(e)) from None
-        if cfg.sandbox == "unsafe":
-            self.warnings = (isolation.UNSAFE_WARNING,)
-            if is_main_process():
-                print(f"WARNING: {isolation.UNSAFE_WARNING}", file=sys.stderr)
-        self.weights = cfg.reward
         self.limits = SandboxLimits(timeout_s=cfg.timeout_s, mode=cfg.sandbox)
+        limits, all_hold = cgroups.describe(self.limits.memory_mb, self.limits.max_processes)
+        self.warnings = (*((isolation.UNSAFE_WARNING,) if cfg.sandbox == "unsafe" else ()),
+                         *(() if all_hold else (limits,)))
+        if is_main_process():
+            for line in self.warnings:
+                print(f"WARNING: {line}", file=sys.stderr)
+            if all_hold:
+                print(limits, file=sys.stderr)
+        self.weights = cfg.reward
         self.sandbox_runs = 0
         self.timeouts = 0
         self.sandbox_s = 0.0

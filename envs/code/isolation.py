@@ -184,7 +184,9 @@ def bwrap_command(lib: str, tmp_mb: int, drop: frozenset[str] = frozenset(), sec
         args += ["--tmpfs", site, "--remount-ro", site]
     size = ["--size", str(tmp_mb << 20)] if version >= (0, 8, 0) else []
     args += ["--proc", "/proc", "--dev", "/dev", *size, "--tmpfs", "/tmp", *size, "--tmpfs", "/dev/shm",
-             "--ro-bind", lib, SANDBOX_LIB, "--chdir", "/tmp", "--"]
+             "--ro-bind", lib, SANDBOX_LIB,
+             # bwrap's own / and /dev are tmpfs with no size: read-only, or a program fills memory there
+             "--remount-ro", "/dev", "--remount-ro", "/", "--chdir", "/tmp", "--"]
     return _without(args, drop)
 
 

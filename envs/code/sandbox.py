@@ -35,7 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Iterator, Sequence
 
-from . import isolation, syscalls, wire
+from . import cgroups, isolation, syscalls, wire
 from .isolation import BOOT, ENV, MODES, SANDBOX_LIB
 
 DRAIN_S = 0.5  # after the candidate is gone: how long to wait for its output still in flight
@@ -214,7 +214,26 @@ class _Runner(subprocess.Popen):
     pid1: int | None = None
 
 
-def _spawn(setup: dict, mode: str, workdir: str | None, uid: int | None, fds: tuple[int, ...]) -> _Runner:
+@dataclass
+class Slot:
+    """Where one sandboxed process runs: its working folder (unsafe), its uid (bwrap as root) and its
+    cgroup (where the machine allows one: cgroups.py)."""
+
+    workdir: str | None
+    uid: int | None
+    group: cgroups.Group | None
+
+
+# The sandbox's first process, before it execs bwrap (or, unsafe, the candidate): it joins its cgroup, so
+# that nothing of the sandbox ever runs outside it, and sets oom_score_adj to 1000; written by root (who
+# has CAP_SYS_RESOURCE) that is also the floor below which the program cannot set it back.
+JOIN = ('while [ "$1" != -- ]; do echo $$ > "$1" || { echo "magrpo-sandbox: cannot join the cgroup $1" >&2; '
+        'exit 125; }; shift; done; shift; echo 1000 > /proc/self/oom_score_adj 2>/dev/null; exec "$@"')
+SETUP_FAILED = (b"bwrap:", b"magrpo-sandbox:")  # stderr of a sandbox that never started: not the program's fault
+
+
+def _spawn(setup: dict, mode: str, slot: Slot, fds: tuple[int, ...]) -> _Runner:
+    workdir, uid = slot.workdir, slot.uid
     boot = ["-I", "-S", "-c", BOOT.format("candidate")]
     ours: tuple[int, ...] = ()  # this call's own fds for bwrap: closed here once it has them
     info_r = None
@@ -230,6 +249,8 @@ def _spawn(setup: dict, mode: str, workdir: str | None, uid: int | None, fds: tu
         argv = [sys.executable, *boot, isolation.candidate_lib(mode), repr(setup)]
         cwd, env = workdir, {**ENV, "HOME": workdir, "TMPDIR": workdir}
     argv, keywords = isolation.as_user(uid, argv)
+    if slot.group is not None or os.geteuid() == 0:
+        argv = ["/bin/sh", "-c", JOIN, "magrpo-sandbox", *(slot.group.procs if slot.group else []), "--", *argv]
     try:
         proc = _Runner(
             argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -293,7 +314,7 @@ def _status(data: bytes) -> dict:
     return out
 
 
-def _run(program: Program, limits: SandboxLimits, workdir: str | None, uid: int | None) -> RunResult:
+def _run(program: Program, limits: SandboxLimits, slot: Slot) -> RunResult:
     start = time.monotonic()
     out, err, status, verdict = (_Capped(limits.output_bytes), _Capped(limits.output_bytes), _Capped(4096),
                                  _Frames(64 * len(program.cases) + (1 << 20)))
@@ -304,7 +325,7 @@ def _run(program: Program, limits: SandboxLimits, workdir: str | None, uid: int 
              "max_message": 1 << 30, "tmp_mb": 4 * limits.file_size_mb}  # argv: nothing secret in it
     judge = _judges.acquire()
     try:
-        proc = _spawn(setup, limits.mode, workdir, uid, (request_r, reply_w, status_w))
+        proc = _spawn(setup, limits.mode, slot, (request_r, reply_w, status_w))
     except BaseException:
         _judges.release(judge)
         for fd in (request_w, reply_r, status_r):
@@ -355,7 +376,7 @@ def _run(program: Program, limits: SandboxLimits, workdir: str | None, uid: int 
                 judge.kill()
     if "setup_error" in facts:
         raise RuntimeError(f"sandbox setup failed, nothing was run: {facts['setup_error']}")
-    if "ready" not in facts and returncode is not None and err.data.startswith(b"bwrap:"):
+    if "ready" not in facts and returncode is not None and err.data.startswith(SETUP_FAILED):
         # bwrap itself failed (e.g. out of user namespaces): the machine's fault, never a score of 0
         reason = err.data.decode("utf-8", "replace").splitlines()[0]
         raise RuntimeError(f"sandbox setup failed, nothing was run: {reason}")
@@ -428,21 +449,28 @@ def run_program(program: Program, limits: SandboxLimits = SandboxLimits()) -> Ru
     """Runs `program` in a confined child process and has a judge process score each of its cases."""
     if limits.mode not in MODES:
         raise ValueError(f"sandbox mode {limits.mode!r}; choose one of: {', '.join(MODES)}")
-    with confinement(limits.mode) as (workdir, uid):
-        return _run(program, limits, workdir, uid)
+    with confinement(limits) as slot:
+        return _run(program, limits, slot)
 
 
 @contextlib.contextmanager
-def confinement(mode: str) -> Iterator[tuple[str | None, int | None]]:
-    """(workdir, uid) of one sandboxed process, given back afterwards: bwrap as root, a uid of its own
-    (RLIMIT_NPROC then holds); unsafe, a fresh working folder, removed."""
-    if mode == "bwrap":
+def confinement(limits: SandboxLimits) -> Iterator[Slot]:
+    """The Slot of one sandboxed process, given back afterwards: bwrap as root, a uid of its own
+    (RLIMIT_NPROC then holds); unsafe, a fresh working folder, removed; a cgroup where there can be one,
+    whose processes are all killed at the end, whatever session or process group they moved to."""
+    if limits.mode == "bwrap":
         workdir, uid = None, isolation.acquire_uid() if os.geteuid() == 0 else None
     else:
         workdir, uid = tempfile.mkdtemp(prefix="magrpo-sandbox-"), None
+    group = None
     try:
-        yield workdir, uid
+        # pids: the program's max_processes, and bwrap's own two (itself and the sandbox's PID 1)
+        group = cgroups.create(limits.memory_mb, limits.max_processes + 2)
+        yield Slot(workdir, uid, group)
     finally:
+        if group is not None:
+            group.kill()
+            group.remove()
         if workdir is not None:
             shutil.rmtree(workdir, ignore_errors=True)
         if uid is not None:

@@ -10,7 +10,20 @@ import selectors
 import time
 from dataclasses import asdict, dataclass
 
-from .sandbox import DRAIN_S, SandboxLimits, _Capped, _kill, _pump, _signalled, _spawn, _status, confinement, watch_pid1
+from .sandbox import (
+    DRAIN_S,
+    SETUP_FAILED,
+    SandboxLimits,
+    Slot,
+    _Capped,
+    _kill,
+    _pump,
+    _signalled,
+    _spawn,
+    _status,
+    confinement,
+    watch_pid1,
+)
 
 MAX_SOURCE_BYTES = 60_000  # the whole snippet waits in a pipe (64 KiB on Linux) before the sandbox starts
 
@@ -49,11 +62,11 @@ def run_script(source: str, limits: SandboxLimits) -> ScriptResult:
     data = source.encode("utf-8", "replace")
     if len(data) > MAX_SOURCE_BYTES:
         raise ValueError(f"the snippet has {len(data)} bytes, more than {MAX_SOURCE_BYTES}")
-    with confinement(limits.mode) as (workdir, uid):  # as the judge's candidates
-        return _run(data, limits, workdir, uid)
+    with confinement(limits) as slot:  # as the judge's candidates
+        return _run(data, limits, slot)
 
 
-def _run(data: bytes, limits: SandboxLimits, workdir: str | None, uid: int | None) -> ScriptResult:
+def _run(data: bytes, limits: SandboxLimits, slot: Slot) -> ScriptResult:
     start = time.monotonic()
     out, err, status = _Counted(limits.output_bytes), _Counted(limits.output_bytes), _Capped(4096)
     script_r, script_w = os.pipe()
@@ -62,7 +75,7 @@ def _run(data: bytes, limits: SandboxLimits, workdir: str | None, uid: int | Non
     os.close(script_w)
     setup = {"limits": asdict(limits), "status_fd": status_w, "script_fd": script_r, "tmp_mb": 4 * limits.file_size_mb}
     try:
-        proc = _spawn(setup, limits.mode, workdir, uid, (script_r, status_w))
+        proc = _spawn(setup, limits.mode, slot, (script_r, status_w))
     finally:
         os.close(script_r)  # only the sandbox holds these ends now
         os.close(status_w)
@@ -88,7 +101,7 @@ def _run(data: bytes, limits: SandboxLimits, workdir: str | None, uid: int | Non
     facts = _status(bytes(status.data))
     if "setup_error" in facts:
         raise RuntimeError(f"sandbox setup failed, nothing was run: {facts['setup_error']}")
-    if "ready" not in facts and returncode is not None and err.data.startswith(b"bwrap:"):
+    if "ready" not in facts and returncode is not None and err.data.startswith(SETUP_FAILED):
         reason = err.data.decode("utf-8", "replace").splitlines()[0]
         raise RuntimeError(f"sandbox setup failed, nothing was run: {reason}")
     if returncode is not None and limits.mode == "bwrap":

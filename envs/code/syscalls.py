@@ -35,6 +35,8 @@ DENIED = {
     "cachestat": "reads the page-cache state of a shared file",
     "preadv2": "RWF_NOWAIT reads tell cached pages from the rest",
     "pwritev2": "the flags of preadv2, for writes",
+    "memfd_create": "memory no rlimit counts (not RLIMIT_AS, not /dev/shm's size); without a cgroup, unbounded",
+    "memfd_secret": "the same",
     "keyctl": "kernel keyrings: state that outlived a run",
     "add_key": "kernel keyrings",
     "request_key": "kernel keyrings",
