@@ -21,6 +21,9 @@ class GenerationRequest:
     seed: int | None = None  # key of this request's random streams (sample k uses stream_key(seed, k)); None: drawn
     continuation: tuple[int, ...] = ()  # token ids after the encoded prompt: a turn resumed after a tool's output
     stop: tuple[str, ...] = ()  # the agent's stop strings: end the completion, finished (kept in it)
+    # This request's own budget of new tokens, at most the call's (SamplingParams.max_new_tokens): a
+    # resumed tool turn's room left. None: the call's. A completion cut here is not finished.
+    max_new_tokens: int | None = None
     # What tools see of the request's problem (env.tool_context(problem)); backends ignore it, and it
     # takes no part in equality or hashing: a problem is a dict, and two requests are alike without it.
     context: Mapping[str, Any] | None = field(default=None, compare=False)

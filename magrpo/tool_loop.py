@@ -105,15 +105,18 @@ class Turn:
         return [t for ids, _ in self.segments for t in ids]
 
     def add_model(self, c: Completion, budget: int) -> None:
-        """Append a generated segment, cut to `budget` tokens (a batched resume asks for the largest)."""
-        ids = c.token_ids[:budget]
-        self.segments.append((ids, True))
+        """Append a generated segment; the backend kept it within the request's `budget` (its text is
+        what the env and feedback score: it must be the text of these very tokens, never cut here)."""
+        if len(c.token_ids) > budget:
+            raise RuntimeError(f"the backend returned {len(c.token_ids)} tokens for a request of "
+                               f"max_new_tokens={budget}: a backend must honour GenerationRequest.max_new_tokens")
+        self.segments.append((c.token_ids, True))
         self.texts.append(c.text)
         if self.logprobs is not None and c.logprobs is not None:
-            self.logprobs += c.logprobs[: len(ids)]
+            self.logprobs += c.logprobs
         else:
             self.logprobs = None
-        self.finished = c.finished and len(ids) == len(c.token_ids)
+        self.finished = c.finished
 
     def completion(self) -> Completion:
         return Completion.from_segments(self.segments, "".join(self.texts), self.prompt_ids, self.finished,
@@ -169,8 +172,9 @@ def run_rounds(backend, turns: list[list[Turn]], params: SamplingParams, setting
             turn.texts.append(text)
             resume.append(turn)
         if resume:
+            # each branch with its own room left; the call's budget is the largest
             budgets = [params.max_new_tokens - len(t.tokens()) for t in resume]
-            out = backend.generate([resume_request(t, round_) for t in resume],
+            out = backend.generate([resume_request(t, round_, b) for t, b in zip(resume, budgets)],
                                    replace(params, max_new_tokens=max(budgets), resumable=round_ < settings.max_calls))
             for turn, budget, [c] in zip(resume, budgets, out):
                 turn.add_model(c, budget)
@@ -200,12 +204,12 @@ def call_record(call: ToolCall | CallError, result: ToolResult) -> dict:
             "output": result.text, "error": result.error, "seconds": result.seconds}
 
 
-def resume_request(turn: Turn, round_: int) -> GenerationRequest:
-    """One sample resumed after its tool message, on a random stream of its own (sample k of the
-    request, round r): the same tokens in any batch, never the first round's numbers again."""
+def resume_request(turn: Turn, round_: int, budget: int) -> GenerationRequest:
+    """One sample resumed after its tool message with `budget` tokens of room, on a random stream of its
+    own (sample k of the request, round r): the same tokens in any batch, never the first round's again."""
     req = turn.request
     seed = None if req.seed is None else stream_key(req.seed, turn.sample, round_)
-    return replace(req, n=1, seed=seed, continuation=(*req.continuation, *turn.tokens()))
+    return replace(req, n=1, seed=seed, continuation=(*req.continuation, *turn.tokens()), max_new_tokens=budget)
 
 
 def text_encoder(agents) -> EncodeText:

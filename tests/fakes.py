@@ -191,7 +191,7 @@ def lora_tiny_qwen2():
 class ToolScriptBackend:
     """Character-level (a token is `ord(c)`): a request whose turn so far holds i tool responses gets
     `replies[min(i, last)]`, cut at `params.stop` (kept, no EOS), at the request's own `stop` (kept,
-    finished) and at `max_new_tokens`. `replies`
+    finished) and at its budget (the request's `max_new_tokens`, else the call's). `replies`
     may also be a dict: a script per request prompt."""
 
     def __init__(self, replies: list[str] | dict[str, list[str]]):
@@ -219,8 +219,9 @@ class ToolScriptBackend:
             ends = sorted((text.index(s) + len(s), s not in r.stop) for s in (*r.stop, *params.stop) if s in text)
             finished = not ends or not ends[0][1]
             text = text[: ends[0][0]] if ends else text
-            if len(text) > params.max_new_tokens:
-                text, finished = text[: params.max_new_tokens], False
+            budget = params.max_new_tokens if r.max_new_tokens is None else r.max_new_tokens
+            if len(text) > budget:
+                text, finished = text[:budget], False
             ids = self.ids(r.agent, text)
             out.append([Completion(ids, text, [len(r.prompt), *r.continuation], finished,
                                    [-0.5] * len(ids) if params.logprobs else None) for _ in range(r.n)])

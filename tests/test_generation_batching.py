@@ -241,3 +241,20 @@ def test_dropping_finished_rows_keeps_every_rows_stream(agents, logprobs):
         if logprobs:
             m = shared_prefix(dropped, kept)
             torch.testing.assert_close(run[True][1][row, :m], run[False][1][row, :m], rtol=0, atol=1e-5)
+
+
+def test_each_request_stops_at_its_own_budget_and_its_text_is_its_tokens(agents):
+    """A resumed tool turn has its own room left (GenerationRequest.max_new_tokens): the backend stops
+    the row there, not finished, with the text of exactly those tokens (the tool loop cut the ids of a
+    longer reply and kept its whole text, which the env then scored). The row samples what it would
+    have with the call's budget, up to its own."""
+    tok = agents[0].tokenizer
+    params = SamplingParams(max_new_tokens=12, temperature=0.5)
+    short, long = (GenerationRequest("def f(x):", 0, 3, seed=11, max_new_tokens=b) for b in (4, None))
+    both = HFBackend(agents, max_batch_rows=1).generate([short, long], params)
+    assert [len(c.token_ids) <= 4 for c in both[0]] == [True] * 3
+    for c in [*both[0], *both[1]]:
+        assert c.text == tok.decode(c.token_ids, skip_special_tokens=True)
+    for cut, whole in zip(both[0], both[1]):
+        assert cut.token_ids == whole.token_ids[:4]
+        assert cut.finished == (whole.finished and len(whole.token_ids) <= 4)

@@ -489,3 +489,22 @@ def test_load_agents_gives_every_agent_the_tools(make_cfg):
     from magrpo.models import tool_schemas
 
     assert tool_schemas(make_cfg("tools=[calculator]")) == CALC_SCHEMAS and tool_schemas(make_cfg()) == ()
+
+
+def test_every_completion_is_the_text_of_its_tokens_when_branches_resume_with_unequal_room():
+    """Resumed branches share one generate call; each has its own room left. The call used to ask for
+    the largest and cut each branch's ids to its own, keeping the whole text: the env and feedback then
+    scored text the model never sampled (the branch with less room read 'So it is 42.' that it did not
+    write)."""
+    short_call = call('{"name": "calculator", "arguments": {"expression": "1"}}')
+    long_call = call('{"name": "calculator", "arguments": {"expression": "1 + 1 + 1 + 1 + 1 + 1"}}')
+    answer = " So it is " + "forty-two, " * 10 + "done."
+    backend = ToolScriptBackend({"A": [short_call, answer], "B": [long_call, answer]})
+    requests = [GenerationRequest(p, agent=0, n=1, seed=7) for p in ("A", "B")]
+    room = len(long_call) + len(response_text("6")) + 20
+    [[a], [b]] = generate_with_tools(backend, requests, SamplingParams(max_new_tokens=room), settings(),
+                                     backend.encode, ToolStats())
+    for c in (a, b):
+        assert c.text == "".join(map(chr, c.token_ids)) and len(c.token_ids) == room and not c.finished
+    _, resumed = backend.calls
+    assert [r.max_new_tokens for r in resumed] == [room - len(short_call) - len(response_text("1")), 20]

@@ -95,6 +95,10 @@ class HFBackend:
         slot = {r: i for i, r in enumerate(unique)}
         expand = torch.tensor([slot[r] for r in rows])
         stops = [(*requests[r].stop, *params.stop) for r in rows]  # the agent's (end the turn), the tool loop's (pause)
+        budgets = [budget(requests[r], params) for r in rows]
+        check = StopCheck(tok, stops) if any(stops) else None
+        if any(b < params.max_new_tokens for b in budgets):  # a row at its own budget leaves the batch
+            check = BudgetCheck(budgets, check)
         decoded = decode(
             model,
             [prompt_ids[r] for r in unique],
@@ -105,7 +109,7 @@ class HFBackend:
             pad_id=tok.pad_token_id,
             eos_ids=eos,
             routing=self._routing(model),
-            stop=StopCheck(tok, stops) if any(stops) else None,
+            stop=check,
             kept=[kept.find(requests[r].agent, prompt_ids[r]) for r in unique] if len(kept) else None,
             keep_states=params.resumable,
         )
@@ -114,7 +118,7 @@ class HFBackend:
         completions = []
         eos_set = set(eos)
         for row, r in enumerate(rows):
-            ids, finished = cut_at_end(tok, new[row].tolist(), eos_set, requests[r].stop, params.stop)
+            ids, finished = cut_at_end(tok, new[row].tolist()[: budgets[row]], eos_set, requests[r].stop, params.stop)
             self.generated_tokens += len(ids)
             if decoded.states is not None and row in decoded.states and not finished and ids:
                 self._keep(requests[r].agent, prompt_ids[r] + ids[:-1], decoded.states[row])
@@ -135,6 +139,24 @@ class HFBackend:
         batch, row = where
         if batch.lengths[row] >= len(tokens):
             self.kept.keep(agent, RowState(tuple(tokens), batch, row))
+
+
+def budget(request: GenerationRequest, params: SamplingParams) -> int:
+    """The request's own budget of new tokens, never more than the call's."""
+    own = request.max_new_tokens
+    return params.max_new_tokens if own is None else min(own, params.max_new_tokens)
+
+
+class BudgetCheck:
+    """A `decode` stop check that also ends each row at its own budget (then `cut_at_end` cuts it there,
+    not finished), around the stop-string check, if any."""
+
+    def __init__(self, budgets: Sequence[int], inner: Callable | None):
+        self.budgets, self.inner = torch.tensor(budgets), inner
+
+    def __call__(self, rows: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        spent = self.budgets[rows.cpu()] <= new.shape[1]
+        return spent if self.inner is None else spent | self.inner(rows, new)
 
 
 class Decoded(NamedTuple):

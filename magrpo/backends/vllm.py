@@ -222,7 +222,9 @@ class VLLMBackend:
         # text wins; the request's own come first, so they win a tie (the HF backend's rule too).
         stops = [*request.stop, *params.stop]
         stop = dict(stop=stops, include_stop_str_in_output=True) if stops else {}
-        return vllm.SamplingParams(n=request.n, max_tokens=params.max_new_tokens, stop_token_ids=eos,
+        budget = params.max_new_tokens if request.max_new_tokens is None else min(request.max_new_tokens,
+                                                                                   params.max_new_tokens)
+        return vllm.SamplingParams(n=request.n, max_tokens=budget, stop_token_ids=eos,
                                    detokenize=bool(stops), logprobs=0 if params.logprobs else None,
                                    seed=request.seed, **stop, **shape)
 
