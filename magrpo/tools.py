@@ -161,10 +161,15 @@ def parse_call(text: str) -> ToolCall | CallError | None:
     """The call a model segment ends with (generation stops at CALL_END), an error when its body is
     not `{"name": str, "arguments": object}` (bad_json) or its arguments are past MAX_CALL_CHARS or
     MAX_ARGUMENT_DEPTH (bad_arguments), or None when the segment makes no call. Never raises: whatever
-    the model wrote, a call or an error comes back, its strings valid text."""
+    the model wrote, a call or an error comes back, its strings valid text. A segment that ends in
+    CALL_END with no CALL_START before it (the marker in prose or in code) is a bad_json call too: the
+    turn goes on after the error, counted, instead of ending there as if cut at its token budget."""
     stripped = text.rstrip()
-    if not stripped.endswith(CALL_END) or CALL_START not in stripped:
+    if not stripped.endswith(CALL_END):
         return None
+    if CALL_START not in stripped:
+        return CallError("bad_json", f"error: {CALL_END} ends no call (no {CALL_START} before it); a call is "
+                                     f'{CALL_START}{{"name": "<tool>", "arguments": {{...}}}}{CALL_END}')
     body = stripped[stripped.rindex(CALL_START) + len(CALL_START) : -len(CALL_END)]
     if len(body) > MAX_CALL_CHARS:
         return CallError("bad_arguments", f"error: the call is {len(body):,} characters long, more than "

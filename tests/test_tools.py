@@ -508,3 +508,16 @@ def test_every_completion_is_the_text_of_its_tokens_when_branches_resume_with_un
         assert c.text == "".join(map(chr, c.token_ids)) and len(c.token_ids) == room and not c.finished
     _, resumed = backend.calls
     assert [r.max_new_tokens for r in resumed] == [room - len(short_call) - len(response_text("1")), 20]
+
+
+def test_a_stray_end_marker_is_a_counted_bad_json_call_and_the_turn_goes_on():
+    """Generation pauses at </tool_call>. Written in prose or code with no <tool_call> before it, it
+    used to end the turn there as if cut at its budget (not finished), with no metric."""
+    stray = "The closing tag is </tool_call>"
+    assert parse_call(stray) == CallError("bad_json", parse_call(stray).message)
+    assert "</tool_call> ends no call" in parse_call(stray).message
+    backend = ToolScriptBackend([stray, " and that is all."])
+    stats = ToolStats()
+    [[c]] = loop(backend, k=1, stats=stats)
+    assert c.finished and c.text.endswith(" and that is all.")
+    assert stats.metrics()["tools/errors/bad_json"] == 1
