@@ -243,13 +243,18 @@ def tree_grpo(nodes: "list[Node]", settings: AdvantageSettings) -> np.ndarray:
 
 def early_repeats(node: "Node", settings: AdvantageSettings) -> np.ndarray:
     """(J,) how many times each joint action's reward counts in its return before the children's: 1, or
-    with early_termination_return=repeat, for a joint action early termination stopped at turn t,
-    1 + gamma + ... + gamma^(T-1-t) (its reward again at every turn it skipped, discounted as they would be)."""
+    with early_termination_return=repeat, for a joint action that early termination or the env's done
+    ended at turn t, 1 + gamma + ... + gamma^(T-1-t) (its reward again at every turn it skipped,
+    discounted as they would be: the episode stays where it ended). The env's done counts too: with
+    `done = solved` a branch solved at turn t would otherwise rank below a sibling that failed and was
+    fixed a turn later, the flaw `repeat` is there to fix. Truncation, a failed score and trainer.expand
+    end no episode: G = r."""
     width = len(node.rewards)
-    if settings.early_termination_return != "repeat" or node.early is None or not node.early.any():
+    ended = [m for m in (node.early, node.done) if m is not None]
+    if settings.early_termination_return != "repeat" or not any(m.any() for m in ended):
         return np.ones(width)
     skipped = settings.num_turns - 1 - node.turn
-    return np.where(node.early, sum(settings.discount ** i for i in range(skipped + 1)), 1.0)
+    return np.where(np.logical_or.reduce(ended), sum(settings.discount ** i for i in range(skipped + 1)), 1.0)
 
 
 def agent_rewards_of(nodes: "list[Node]", team_weight: float) -> list[np.ndarray] | None:

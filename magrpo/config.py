@@ -106,12 +106,12 @@ class TrainerConfig:
     early_termination_threshold: Optional[float] = None
     """A joint action whose reward >= this gets no child; null = never stop early."""
     early_termination_return: str = "reward"
-    """The return of a joint action that early termination stopped: reward (G = r) | repeat (its reward again at
-    every turn it skipped: G = r (1 + gamma + ... + gamma^(T-1-t)) at turn t, as if it stayed solved). Its node's
-    group compares it with joint actions that went on and also earn their children's returns, so with `reward` and
-    a discount near 1 a branch solved at turn t can rank below one that failed and was fixed a turn later
-    (CoMLRL stops whole nodes, whose joint actions are then all leaves). Stops by the env's done, truncation, a
-    failed score or trainer.expand keep G = r."""
+    """The return of a joint action whose episode ended early (early termination, or the env's done): reward
+    (G = r) | repeat (its reward again at every turn it skipped: G = r (1 + gamma + ... + gamma^(T-1-t)) at turn t,
+    as if it stayed where it ended). Its node's group compares it with joint actions that went on and also earn
+    their children's returns, so with `reward` and a discount near 1 a branch solved at turn t can rank below one
+    that failed and was fixed a turn later (CoMLRL stops whole nodes, whose joint actions are then all leaves).
+    Stops by truncation, a failed score or trainer.expand end no episode and keep G = r."""
     stop_on_truncation: bool = False
     """End a branch (a leaf, its reward still counts) when any agent's chosen completion of the joint action was cut at
     generation.max_new_tokens (ms-swift's default, which ends the episode on a truncated reply); false = keep going."""

@@ -261,3 +261,43 @@ def test_a_rounds_tool_messages_encode_in_one_call_as_they_do_one_by_one(chat_ag
     assert [encode_text(agent, t) for t in texts] == one_by_one
     assert encode_texts(agent, ["", ""]) == [[], []]
     assert agent.tokenizer.eos_token_id not in encode_texts(agent, texts)[3]  # spelled, not the special token
+
+
+class Continuing:
+    """external.history=continuation as the expander sees it (the ids do not matter here)."""
+
+    mode = "continuation"
+
+    def extend(self, agent, continuation, completion, feedback, prompts, replies):
+        return (*continuation, 0)
+
+
+def test_continuation_scores_the_whole_reply_not_the_last_fragment():
+    """A turn in continuation mode samples a fragment that goes on the same reply: the env scores the
+    reply so far (earlier fragments, the feedback between them, the new fragment), as the model read
+    it; a code env scored only the fragment, often code-less ("the code above is right")."""
+    from magrpo.rollout import expand_trees
+    from tests.fakes import PROBLEMS, SAMPLING, FakeBackend, FakeEnv, serial, tree_settings
+
+    seen: list[list[str]] = []
+
+    def reward(problem, texts):
+        seen.append(list(texts))
+        return 0.0
+
+    def feedback(prompt, agent_completions, num_agents, prompt_history_per_agent, response_history_per_agent):
+        return [f"fix {text}" for text in agent_completions]
+
+    env = FakeEnv(2, reward)
+    tree = tree_settings(num_generations=1, num_turns=3, joint_mode="align")
+    rollout = expand_trees(PROBLEMS[:1], env, FakeBackend(), serial(feedback, env), tree, SAMPLING,
+                           conversation=Continuing())
+    first, second, third = rollout.nodes
+    reply0, reply1, reply2 = (node.completions[0][0].text for node in (first, second, third))
+    assert len({reply0, reply1, reply2}) == 3
+    assert [texts[0] for texts in seen] == [
+        reply0,
+        f"{reply0}\n\nfix {reply0}\n\n{reply1}",
+        f"{reply0}\n\nfix {reply0}\n\n{reply1}\n\nfix {reply1}\n\n{reply2}",
+    ]
+    assert third.completions[0][0].text == reply2  # the node keeps the fragment it sampled (the loss's tokens)

@@ -194,3 +194,30 @@ def test_rollout_records_say_what_ended_a_branch_and_nothing_otherwise():
     plain = expand(FakeEnv(2), "align", 2)
     nodes = tree_records(1, plain.problems, plain.nodes)[0]["nodes"]
     assert not any("done" in ja or "truncated" in ja for node in nodes for ja in node["joint_actions"])
+
+
+def test_with_repeat_a_done_branch_counts_its_reward_at_every_turn_it_skipped():
+    """`done = solved` with early_termination_return=repeat: the solved branch's reward counts again at
+    each turn it skipped, as an early-terminated one's does. Before, done kept G = r, so a sibling that
+    scored 0.6 and was fixed next turn (0.6 + 1.0) ranked above the branch solved at once (1.0): the
+    flaw `repeat` was made to fix."""
+    class Solved(DoneEnv):
+        turn = 0
+
+        def score(self, problems, joint_completions):  # turn 0: k=0 solves it (1.0), k=1 half does (0.6); turn 1: fixed
+            rewards = [1.0 if self.turn or k_of(texts[0]) == 0 else 0.6 for texts in joint_completions]
+            self.turn += 1
+            return [Scored(r, {}, done=r == 1.0) for r in rewards]
+
+    env = Solved(2)
+    tree = tree_settings(num_generations=2, num_turns=2, joint_mode="align")
+    rollout = expand_trees(PROBLEMS[:1], env, FakeBackend(), serial(plain_feedback, env), tree, SAMPLING)
+    root = rollout.nodes[0]
+    assert root.done.tolist() == [True, False] and root.rewards.tolist() == [1.0, 0.6]
+    assign_advantages(rollout.nodes, advantage_settings(discount=1.0, early_termination_return="repeat",
+                                                        num_turns=2))
+    child = rollout.nodes[root.children[1]]
+    assert root.returns.tolist() == pytest.approx([2.0, 0.6 + child.returns.mean()])
+    assert root.returns[0] >= root.returns[1]
+    assign_advantages(rollout.nodes, advantage_settings(discount=1.0, num_turns=2))  # reward: G = r
+    assert root.returns[0] == 1.0
