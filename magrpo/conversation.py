@@ -95,14 +95,15 @@ class Conversation:
                 self.templates[agent.index] = turn_template(agent)
 
     def extend(self, agent: int, continuation: Sequence[int], completion: Completion, feedback: str,
-               user_texts: Sequence[str], replies: Sequence[str]) -> tuple[int, ...]:
-        """The next turn's continuation (ids after the encoded first prompt): this turn's, the reply's
-        ids, then the feedback. `user_texts` (every user message, the feedback last) and `replies`
-        (every reply, this one last) are the chat for the full-render check."""
+               chat: Sequence[dict]) -> tuple[tuple[int, ...], list[dict]]:
+        """(the next turn's continuation, its chat). The continuation (ids after the encoded first prompt)
+        is this turn's, the reply's ids, then the feedback; `chat` holds the messages before this reply
+        (the first user message first) and grows by the reply's messages and the feedback: the chat the
+        full-render check renders (continuation mode keeps none)."""
         a = self.agents[agent]
         reply = self.reply_ids(a, completion)
         if self.mode == "continuation":
-            return (*continuation, *reply, *encode_text(a, f"\n\n{feedback}\n\n"))
+            return (*continuation, *reply, *encode_text(a, f"\n\n{feedback}\n\n")), []
         template = self.templates[agent]
         closing = template.closing
         if len(reply) < len(completion.token_ids):  # the reply ended with an EOS: the template's own end?
@@ -111,10 +112,10 @@ class Conversation:
                 reply, closing = list(completion.token_ids), closing[len(eos):]
         ids = (*continuation, *reply, *encode_markup(a, closing + template.user_before),
                *encode_text(a, feedback), *encode_markup(a, template.user_after))
+        chat = [*chat, *turn_messages(a, completion), {"role": "user", "content": feedback}]
         if self.check != "off":
-            self.compare(a, [*completion.prompt_ids[: len(completion.prompt_ids) - len(continuation)], *ids],
-                         user_texts, replies)
-        return ids
+            self.compare(a, [*completion.prompt_ids[: len(completion.prompt_ids) - len(continuation)], *ids], chat)
+        return ids, chat
 
     @staticmethod
     def reply_ids(agent: Agent, completion: Completion) -> list[int]:
@@ -124,13 +125,8 @@ class Conversation:
             ids.pop()
         return ids
 
-    def compare(self, agent: Agent, ids: list[int], user_texts: Sequence[str], replies: Sequence[str]) -> None:
-        messages = []
-        for i, text in enumerate(user_texts):
-            messages.append({"role": "user", "content": agent.user_content(text) if i == 0 else text})
-            if i < len(replies):
-                messages.append({"role": "assistant", "content": replies[i]})
-        full = agent.render(messages, add_generation_prompt=True)
+    def compare(self, agent: Agent, ids: list[int], chat: Sequence[dict]) -> None:
+        full = agent.render(list(chat), add_generation_prompt=True)
         built = agent.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
         if self.check == "ignore_strippable":
             same = strippable(built) == strippable(full)
@@ -138,11 +134,45 @@ class Conversation:
             same = built == full
         if not same:
             at = next((i for i, (x, y) in enumerate(zip(built, full)) if x != y), min(len(built), len(full)))
+            turn = sum(m["role"] == "user" for m in chat)
+            advice = ("use external.encoding_check=ignore_strippable if the template strips parts of earlier "
+                      "replies (or off)" if self.check == "strict" else
+                      "the template renders this chat otherwise than message by message: external.encoding_check="
+                      "off keeps the prompts as built (the model then reads what no full render shows), or use "
+                      "external.history=continuation")
             raise EncodingMismatch(
-                f"external.encoding_check={self.check}: agent {agent.index}'s turn-{len(user_texts)} prompt, built "
+                f"external.encoding_check={self.check}: agent {agent.index}'s turn-{turn} prompt, built "
                 f"turn by turn, differs from the full render of its chat at character {at}: "
-                f"{built[max(0, at - 30):at + 30]!r} vs {full[max(0, at - 30):at + 30]!r}; "
-                "use encoding_check=ignore_strippable (or off) if the template strips parts of earlier replies")
+                f"{built[max(0, at - 30):at + 30]!r} vs {full[max(0, at - 30):at + 30]!r}; {advice}")
+
+
+def first_chat(agent: Agent, prompt: str) -> list[dict]:
+    """A conversation's chat before the first reply: the first user message (tools the template does
+    not show described in front of it, as the first prompt was encoded)."""
+    return [{"role": "user", "content": agent.user_content(prompt)}]
+
+
+def turn_messages(agent: Agent, completion: Completion) -> list[dict]:
+    """A reply as chat messages: one assistant message; where the agent's template shows tools (its tool
+    results were spliced in as the template's own tool messages, magrpo.tool_loop.tool_messages), the
+    assistant's parts with each result a tool message between them, as the template renders such a turn.
+    The parts are the text of the sampled tokens; the results those of its calls, in order."""
+    mask = completion.model_mask
+    if mask is None or all(mask) or not agent.shows_tools():
+        return [{"role": "assistant", "content": completion.text}]
+    outputs = iter(call["output"] for call in completion.tool_calls)
+    messages, start = [], 0
+    for end in range(1, len(mask) + 1):
+        if end == len(mask) or mask[end] != mask[start]:
+            if mask[start]:
+                text = agent.tokenizer.decode(completion.token_ids[start:end], skip_special_tokens=True)
+                messages.append({"role": "assistant", "content": text})
+            else:
+                messages.append({"role": "tool", "content": next(outputs)})
+            start = end
+    if messages[-1]["role"] == "tool":  # a result the turn ended on: the reply's message still closes
+        messages.append({"role": "assistant", "content": ""})
+    return messages
 
 
 def conversation_of(external_cfg, agents: Sequence[Agent]) -> Conversation | None:

@@ -19,6 +19,7 @@ import numpy as np
 
 from .advantage import all_groups_flat, own_values
 from .backends import GenerationBackend
+from .conversation import first_chat
 from .env import CompletionInfo, Environment, Scored, call_env
 from .errors import RewardError, describe, qualified_name
 from .feedback import Branch, accepted
@@ -402,18 +403,21 @@ class TreeExpander:
                     tree=parent.tree, turn=turn + 1, parent=(first_id + i, j), prompts=prompts,
                     prompt_history=history, response_history=branch.response_history,
                     stream=None if parent.stream is None else stream_key(parent.stream, j),
-                    continuation=self.continued(parent, j, history, branch.response_history),
+                    **self.continued(parent, j, history),
                 ))
         return children
 
-    def continued(self, parent: Node, j: int, history: list[list[str]], replies: list[list[str]]
-                  ) -> list[tuple[int, ...]]:
-        """The child's chat so far per agent (a conversation), else []: its prompts say it all."""
+    def continued(self, parent: Node, j: int, history: list[list[str]]) -> dict:
+        """The child's `continuation` and `chat` per agent (a conversation), else nothing: its prompts say it all."""
         if self.conversation is None:
-            return []
-        return [self.conversation.extend(a, parent.continuation[a] if parent.continuation else (),
-                                         parent.completions[a][self.joint[j][a]], history[a][-1], history[a],
-                                         replies[a]) for a in range(self.n)]
+            return {}
+        conversation = self.conversation
+        chats = parent.chat or [first_chat(conversation.agents[a], history[a][0]) if conversation.mode == "messages"
+                                else [] for a in range(self.n)]
+        grown = [conversation.extend(a, parent.continuation[a] if parent.continuation else (),
+                                     parent.completions[a][self.joint[j][a]], history[a][-1], chats[a])
+                 for a in range(self.n)]
+        return {"continuation": [ids for ids, _ in grown], "chat": [chat for _, chat in grown]}
 
 
 def expand_trees(

@@ -142,6 +142,8 @@ class Node:
     stream: int | None = None  # random-stream key of this node (from the run seed, step, tree and path)
     continuation: list[tuple[int, ...]] = field(default_factory=list)  # per agent, in a conversation
     # (external.history=messages | continuation): prompt ids after the encoded first prompt; empty otherwise
+    chat: list[list[dict]] = field(default_factory=list)  # per agent, with history=messages: the chat through
+    # this node's prompt, as messages (the full-render check renders it); empty otherwise
 
 
 def count_leaves(nodes: list[Node]) -> int:

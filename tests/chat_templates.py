@@ -36,17 +36,23 @@ QWEN3_STYLE = (
 
 # Qwen2.5-style tool use, written for these tests: the tools go into a system message, and a tool's
 # result is a user turn holding <tool_response> (consecutive results share it).
-QWEN_TOOLS = (
+TOOLS_HEADER = (
     "{%- if tools -%}{{ '<|im_start|>system\\n# Tools\\n<tools>' }}"
     "{%- for t in tools -%}{{ '\\n' + (t | tojson) }}{%- endfor -%}"
     "{{ '\\n</tools>\\nCall a tool with <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>.<|im_end|>\\n' }}"
     "{%- endif -%}"
-    "{%- for m in messages -%}"
-    "{%- if m.role == 'tool' -%}"
+)
+TOOL_MESSAGE = (
     "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' -%}{{ '<|im_start|>user' }}{%- endif -%}"
     "{{ '\\n<tool_response>\\n' + m.content + '\\n</tool_response>' }}"
     "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' -%}{{ '<|im_end|>\\n' }}{%- endif -%}"
-    "{%- else -%}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
 )
+OTHER_MESSAGE = "{%- else -%}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif -%}"
+QWEN_TOOLS = (
+    TOOLS_HEADER + "{%- for m in messages -%}{%- if m.role == 'tool' -%}" + TOOL_MESSAGE + OTHER_MESSAGE
+    + "{%- endfor -%}{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
+)
+# Qwen3-style tool use: QWEN3_STYLE's <think> handling, with QWEN_TOOLS' tools and tool messages.
+QWEN3_TOOLS = TOOLS_HEADER + QWEN3_STYLE.replace(OTHER_MESSAGE, "{%- elif m.role == 'tool' -%}" + TOOL_MESSAGE
+                                                 + OTHER_MESSAGE, 1)
+assert QWEN3_TOOLS.count("tool_response") == 2

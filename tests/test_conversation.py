@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from magrpo.conversation import Conversation, EncodingMismatch, turn_template
+from magrpo.conversation import Conversation, EncodingMismatch, first_chat, turn_template
 from magrpo.errors import ConfigError
 from magrpo.models import Agent
 from magrpo.tiny import TinySpec, tiny_model_path
@@ -44,12 +44,10 @@ def grow(agent: Agent, conversation: Conversation, replies: list[Completion], fe
     """Two turns of the chat built incrementally: (turn-2 prompt ids, first prompt ids)."""
     first = agent.encode_prompts([PROMPT])[0]
     continuation: tuple[int, ...] = ()
-    users, texts = [PROMPT], []
+    chat = first_chat(agent, PROMPT)
     for completion, feedback in zip(replies, feedbacks):
         completion.prompt_ids = first + list(continuation)
-        users.append(feedback)
-        texts.append(completion.text)
-        continuation = conversation.extend(0, continuation, completion, feedback, users, texts)
+        continuation, chat = conversation.extend(0, continuation, completion, feedback, chat)
     return first + list(continuation), first
 
 
@@ -268,8 +266,8 @@ class Continuing:
 
     mode = "continuation"
 
-    def extend(self, agent, continuation, completion, feedback, prompts, replies):
-        return (*continuation, 0)
+    def extend(self, agent, continuation, completion, feedback, chat):
+        return (*continuation, 0), []
 
 
 def test_continuation_scores_the_whole_reply_not_the_last_fragment():
@@ -301,3 +299,70 @@ def test_continuation_scores_the_whole_reply_not_the_last_fragment():
         f"{reply0}\n\nfix {reply0}\n\n{reply1}\n\nfix {reply1}\n\n{reply2}",
     ]
     assert third.completions[0][0].text == reply2  # the node keeps the fragment it sampled (the loss's tokens)
+
+
+THINK = "<think>\nThe calculator knows.\n</think>\n\n"
+
+
+def tool_turn(tokenizer, agent, call: str):
+    """Turn 1 of a tool-using agent: `call`, the calculator's result as the template's tool message,
+    then "It is 42." and the end of the message."""
+    from magrpo.generation import GenerationRequest, SamplingParams
+    from magrpo.tool_loop import ToolSettings, generate_with_tools, text_encoder, tool_messages
+    from magrpo.tools import ToolStats, resolve
+
+    class Scripted:
+        def generate(self, requests, params):
+            out = []
+            for r in requests:
+                text = "It is 42." if r.continuation else call
+                ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+                ids += [tokenizer.eos_token_id] if r.continuation else []
+                prompt = agent.encode_prompts([r.prompt])[0] + list(r.continuation)
+                out.append([Completion(ids, text, prompt, finished=bool(r.continuation))])
+            return out
+
+    calculator = resolve(["calculator"])
+    [[turn]] = generate_with_tools(Scripted(), [GenerationRequest(PROMPT, 0, 1, seed=1)],
+                                   SamplingParams(max_new_tokens=200), ToolSettings(tuple(calculator), 2, 5, 1000, 2),
+                                   text_encoder([agent]), ToolStats(), tool_messages([agent]))
+    return turn
+
+
+@pytest.mark.parametrize("template, think, check", [
+    ("QWEN_TOOLS", "", "strict"),  # Qwen2.5-style: the grown prompt is the full render, character for character
+    ("QWEN3_TOOLS", "", "strict"),
+    ("QWEN3_TOOLS", THINK, "ignore_strippable"),  # Qwen3 strips earlier replies' <think> from the render
+])
+def test_a_conversation_grows_past_a_tool_call_on_qwen_style_tool_templates(tokenizer, template, think, check):
+    """external.history=messages with a template that renders tools: a call in turn 1 made turn 2 stop with
+    EncodingMismatch, in strict and in ignore_strippable (the check rendered the whole turn, tool message
+    included, as one assistant message). The turn is now the assistant's parts with the result a tool
+    message between them, as the template renders it."""
+    import tests.chat_templates as templates
+    from magrpo.tools import resolve
+
+    schema = resolve(["calculator"])[0].schema
+    agent = agent_with(with_eos(tokenizer), getattr(templates, template), tool_schemas=(schema,))
+    call = think + '<tool_call>{"name": "calculator", "arguments": {"expression": "6*7"}}</tool_call>'
+    turn = tool_turn(tokenizer, agent, call)
+    conversation = Conversation([agent], "messages", check)
+    ids, chat = conversation.extend(0, (), turn, FEEDBACK[0], first_chat(agent, PROMPT))
+    assert [m["role"] for m in chat] == ["user", "assistant", "tool", "assistant", "user"]
+    assert chat[1]["content"] == call and chat[2]["content"] == "42" and chat[3]["content"] == "It is 42."
+    built = tokenizer.decode(turn.prompt_ids + list(ids), skip_special_tokens=False)
+    full = agent.render(chat, add_generation_prompt=True)
+    assert (built == full) == (check == "strict")
+    if check != "strict":
+        with pytest.raises(EncodingMismatch, match="use external.encoding_check=ignore_strippable"):
+            Conversation([agent], "messages", "strict").extend(0, (), turn, FEEDBACK[0], first_chat(agent, PROMPT))
+
+
+def test_the_mismatch_advice_fits_the_check_in_use(tokenizer):
+    """ignore_strippable advised "use ignore_strippable", the mode already in use."""
+    agent = agent_with(with_eos(tokenizer), CHATML)
+    conversation = Conversation([agent], "messages", "ignore_strippable")
+    with pytest.raises(EncodingMismatch) as e:
+        conversation.compare(agent, agent.encode_prompts(["something else"])[0], first_chat(agent, PROMPT))
+    assert "use external.encoding_check=ignore_strippable" not in str(e.value)
+    assert "external.encoding_check=off keeps the prompts as built" in str(e.value)
