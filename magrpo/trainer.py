@@ -299,7 +299,8 @@ class Run:
         own.update(self.own_metrics(self.feedback.metrics()))  # after evaluation: its expert calls count too
         if not world.is_main:
             return {}, None
-        whole, metrics = _whole_batch_metrics(parts, agent_stats, self.cfg.trainer.num_turns)
+        tools = bool(self.cfg.tools.names or self.cfg.tools.mcp)
+        whole, metrics = _whole_batch_metrics(parts, agent_stats, self.cfg.trainer.num_turns, tools)
         self.env_step += int(metrics["tree/joint_actions"])
         metrics.update({**own, **eval_metrics, "env_step": self.env_step, "perf/update_s": update_s,
                         "perf/step_s": step_s})
@@ -388,12 +389,12 @@ def _samples_of(rollout: Rollout, agent: int, mask_truncated: bool = False) -> l
 
 
 def _whole_batch_metrics(
-    parts: list[dict], agent_stats: list[dict], num_turns: int
+    parts: list[dict], agent_stats: list[dict], num_turns: int, tools: bool = False
 ) -> tuple[Rollout, dict[str, float]]:
     """Rank 0: every rank's trees merged as one process would have built them, and the step's tree,
     reward, agent and speed metrics over the whole batch."""
     whole = merge_rollouts([part["rollout"] for part in parts])  # nodes keep the advantages their rank gave them
-    metrics = _metrics(whole, agent_stats, num_turns)
+    metrics = _metrics(whole, agent_stats, num_turns, tools)
     metrics["train/reward_errors"] = whole.reward_errors
     metrics["train/resampled_nodes"] = whole.resampled_nodes
     totals = reduce_over_ranks([{"tokens": part["tokens"], "mem": part["mem"]} for part in parts])
@@ -405,7 +406,7 @@ def _whole_batch_metrics(
     return whole, metrics
 
 
-def _metrics(rollout: Rollout, agent_stats: list[dict], num_turns: int) -> dict[str, float]:
+def _metrics(rollout: Rollout, agent_stats: list[dict], num_turns: int, tools: bool = False) -> dict[str, float]:
     nodes = rollout.nodes
     zero_std = np.array([n.zero_std for n in nodes])  # (nodes, N)
     out: dict[str, float] = {
@@ -429,7 +430,7 @@ def _metrics(rollout: Rollout, agent_stats: list[dict], num_turns: int) -> dict[
         # neither stopped nor expanded: left out by trainer.expand (the last turn expands nothing)
         out[f"train/turn_{turn}/unexpanded"] = 0 if turn == num_turns - 1 else sum(
             c is None and not stopped for n in at for c, stopped in zip(n.children, n.terminated))
-        out.update(turn_tool_metrics(turn, [c for n in at for agent in n.completions for c in agent]))
+        out.update(turn_tool_metrics(turn, [c for n in at for agent in n.completions for c in agent], tools))
     for a, stats in enumerate(agent_stats):
         for key, value in stats.items():
             out[f"train/agent_{a}/{key}"] = value
@@ -444,12 +445,13 @@ def _metrics(rollout: Rollout, agent_stats: list[dict], num_turns: int) -> dict[
     return out
 
 
-def turn_tool_metrics(turn: int, completions: list) -> dict[str, float]:
-    """One turn's tool numbers over its completions (all samples): logged only where a turn used tools
-    or inserted tokens, so runs without them log nothing new."""
+def turn_tool_metrics(turn: int, completions: list, tools: bool = False) -> dict[str, float]:
+    """One turn's tool numbers over its completions (all samples): in a run with tools, for every turn
+    (0 where nothing was called: a dashboard's curve must not skip the steps without a call); without
+    tools, only where a turn inserted tokens, so such runs log nothing new."""
     calls = [call for c in completions for call in c.tool_calls]
     inserted = sum(len(c.model_mask) - sum(c.model_mask) for c in completions if c.model_mask is not None)
-    if not calls and not inserted:
+    if not tools and not calls and not inserted:
         return {}
     return {f"tools/turn_{turn}/calls": len(calls),
             f"tools/turn_{turn}/errors": sum(call["error"] is not None for call in calls),

@@ -521,3 +521,14 @@ def test_a_stray_end_marker_is_a_counted_bad_json_call_and_the_turn_goes_on():
     [[c]] = loop(backend, k=1, stats=stats)
     assert c.finished and c.text.endswith(" and that is all.")
     assert stats.metrics()["tools/errors/bad_json"] == 1
+
+
+def test_a_run_with_tools_logs_every_turns_tool_metrics_zero_where_nothing_was_called():
+    """A turn without a call logged no tools/turn_t/* at all: a dashboard's curve skipped those steps."""
+    from magrpo.trainer import turn_tool_metrics
+
+    [[quiet]] = loop(ToolScriptBackend(["The answer is 42."]), k=1)
+    metrics = turn_tool_metrics(1, [quiet], tools=True)
+    assert {key: metrics[key] for key in ("tools/turn_1/calls", "tools/turn_1/errors", "tools/turn_1/call_rate",
+                                          "train/turn_1/masked_token_share")} == dict.fromkeys(
+        ["tools/turn_1/calls", "tools/turn_1/errors", "tools/turn_1/call_rate", "train/turn_1/masked_token_share"], 0)
