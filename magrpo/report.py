@@ -278,7 +278,7 @@ def _markdown(run_dir: Path, records: Records, config: dict[str, Any], images: S
         f"joint mode: {t.get('joint_mode', '?')}",
         f"- steps done: {steps}" + (f" of {planned}" if planned is not None else ""),
     ]
-    lines += _train_section(records) + _eval_section(records) + _speed_section(records)
+    lines += _train_section(records) + _tools_section(records) + _eval_section(records) + _speed_section(records)
     if images:
         lines += ["", "## Plots", ""] + [f"![{Path(name).stem}]({name})" for name in images]
     return "\n".join(lines) + "\n"
@@ -298,6 +298,24 @@ def _train_section(records: Records) -> list[str]:
         return []
     return ["", "## Train reward (first → last step)", "", "| turn | first | last | change |",
             "|---|---|---|---|", *out]
+
+
+def _tools_section(records: Records) -> list[str]:
+    """Tool use in training (a run with tools): calls, call rate, errors by kind and seconds per step, and
+    each turn's call rate, first and last step."""
+    kinds = sorted({k.removeprefix("tools/errors/") for r in records for k in r if k.startswith("tools/errors/")})
+    rows = [("calls per step", "tools/calls"), ("call rate", "tools/call_rate"),
+            *[(f"errors: {kind}", f"tools/errors/{kind}") for kind in kinds],
+            ("tool seconds per step", "tools/seconds"),
+            *[(f"turn {t + 1} call rate", f"tools/turn_{t}/call_rate") for t in _turns(records, "tools")]]
+    out = []
+    for label, key in rows:
+        steps, values = _series(records, key)
+        if values:
+            out.append(f"| {label} | {_fmt(values[0])} (step {steps[0]}) | {_fmt(values[-1])} (step {steps[-1]}) |")
+    if not out:
+        return []
+    return ["", "## Tools (first → last step)", "", "| | first | last |", "|---|---|---|", *out]
 
 
 def _eval_section(records: Records) -> list[str]:

@@ -25,7 +25,7 @@ from .errors import RewardError, describe, qualified_name
 from .feedback import Branch, accepted
 from .generation import GenerationRequest, SamplingParams, StopStrings
 from .sampling import stream_key
-from .tree import Completion, Node, expanded, joint_actions
+from .tree import Node, expanded, joint_actions
 
 if TYPE_CHECKING:  # the rollout stays model-free; a Conversation comes from the trainer
     from .conversation import Conversation
@@ -444,10 +444,11 @@ def expand_trees(
 
 def portable(rollout: Rollout, tree_offset: int) -> Rollout:
     """A process's rollout as rank 0 needs it for metrics and logs: tree ids made global (shard start
-    `tree_offset`), completions as text only, no branch histories (less to send)."""
+    `tree_offset`), completions without their log-probs, no branch histories or chats (less to send).
+    Their ids, loss masks and tool calls stay: rollouts.jsonl records them and the tool metrics count them."""
     nodes = [
-        replace(node, tree=node.tree + tree_offset, prompt_history=[], response_history=[],
-                completions=[[Completion([], c.text, [], c.finished) for c in agent] for agent in node.completions])
+        replace(node, tree=node.tree + tree_offset, prompt_history=[], response_history=[], continuation=[], chat=[],
+                completions=[[replace(c, logprobs=None) for c in agent] for agent in node.completions])
         for node in rollout.nodes
     ]
     return replace(rollout, nodes=nodes)

@@ -184,6 +184,7 @@ def tree_records(step: int, problems: Sequence[Mapping[str, Any]], nodes: list[N
             "parent": None if node.parent is None else [local[node.parent[0]], node.parent[1]],
             "prompts": node.prompts,
             "completions": [[c.text for c in agent] for agent in node.completions],
+            **token_fields(node),
             "advantages": node.advantages.round(6).tolist(),
             "joint_actions": [
                 {
@@ -205,6 +206,25 @@ def tree_records(step: int, problems: Sequence[Mapping[str, Any]], nodes: list[N
     return [
         {"step": step, "tree": t, "problem": dict(problems[t]), "nodes": per_tree[t]} for t in sorted(per_tree)
     ]
+
+
+def token_fields(node: Node) -> dict[str, list]:
+    """What each agent read and wrote at the node, as token ids: its prompt (the whole input before its
+    reply: chat template, system prompt, tools preamble, earlier turns) and each completion; then, where
+    the node has any, each completion's loss mask (0: an inserted token, a tool's output) and its tool
+    calls. prompt_ids + completion_ids is exactly the sequence the update scores."""
+    out: dict[str, list] = {
+        "prompt_ids": [list(agent[0].prompt_ids) if agent else [] for agent in node.completions],
+        "completion_ids": [[list(c.token_ids) for c in agent] for agent in node.completions],
+    }
+    completions = [c for agent in node.completions for c in agent]
+    if any(c.model_mask is not None for c in completions):
+        out["loss_mask"] = [[[int(m) for m in c.model_mask] if c.model_mask is not None else [1] * len(c.token_ids)
+                             for c in agent] for agent in node.completions]
+    if any(c.tool_calls for c in completions):
+        out["tool_calls"] = [[[{key: call[key] for key in ("name", "arguments", "output", "error", "inserted")}
+                               for call in c.tool_calls] for c in agent] for agent in node.completions]
+    return out
 
 
 def per_agent(node: Node, j: int) -> dict[str, list[float]]:

@@ -167,6 +167,7 @@ def run_rounds(backend, turns: list[list[Turn]], params: SamplingParams, setting
         for (turn, call), result, (text, tool_ids) in zip(calling, results, messages):
             turn.calls.append(call_record(call, result))
             if len(turn.tokens()) + len(tool_ids) >= params.max_new_tokens:
+                turn.calls[-1]["inserted"] = False
                 continue  # no room left to read the result and answer: the turn ends at its call (never half a message)
             turn.segments.append((tool_ids, False))
             turn.texts.append(text)
@@ -201,7 +202,8 @@ def call_record(call: ToolCall | CallError, result: ToolResult) -> dict:
     """One call as plain data (what envs and feedback see, and the per-turn metrics count)."""
     parsed = isinstance(call, ToolCall)
     return {"name": call.name if parsed else None, "arguments": call.arguments if parsed else None,
-            "output": result.text, "error": result.error, "seconds": result.seconds}
+            "output": result.text, "error": result.error, "seconds": result.seconds,
+            "inserted": True}  # False: the turn had no room left to read the result (it ends at the call)
 
 
 def resume_request(turn: Turn, round_: int, budget: int) -> GenerationRequest:

@@ -93,7 +93,7 @@ class Completion:
     logprobs: list[float] | None = None  # sampling log-probs of the model tokens, when the backend returns them
     model_mask: list[bool] | None = None  # per token: sampled by the model (None: every token)
     tool_calls: list[dict] = field(default_factory=list)  # per call made in the turn: name, arguments, output,
-    # error (an ERROR_KINDS entry or None) and seconds (magrpo.tool_loop)
+    # error (an ERROR_KINDS entry or None), seconds and inserted (its result spliced in; magrpo.tool_loop)
 
     def __post_init__(self) -> None:
         check_model_mask(self.token_ids, self.model_mask, self.logprobs)

@@ -209,8 +209,10 @@ def _node_html(node: dict, scale: list[float]) -> str:
         f'<details><summary>prompt</summary>{_text_html(node["prompts"][agent], collapse=False)}</details>'
         + "".join(
             f'<div class="completion" id="n{nid}-a{agent}-k{k}" style="background: {_adv_colour(adv, scale[agent])}">'
-            f'<div class="cmeta">k{k} · advantage {_fmt(adv, "+.3f")}{_calls_note(text)}</div>{_text_html(text)}</div>'
-            for k, (text, adv) in enumerate(zip(node["completions"][agent], node["advantages"][agent]))
+            f'<div class="cmeta">k{k} · advantage {_fmt(adv, "+.3f")}{_calls_note(calls)}</div>{_text_html(text)}'
+            f"{_calls_html(calls)}</div>"
+            for k, (text, adv, calls) in enumerate(zip(node["completions"][agent], node["advantages"][agent],
+                                                       _recorded_calls(node, agent)))
         )
         + "</div>"
         for agent in range(len(node["completions"]))
@@ -224,9 +226,28 @@ def _node_html(node: dict, scale: list[float]) -> str:
     )
 
 
-def _calls_note(text: str) -> str:
-    calls = tool_calls_in(text)
-    return f' · <span class="badge tools">{calls} tool call{"s" if calls != 1 else ""}</span>' if calls else ""
+def _recorded_calls(node: dict, agent: int) -> list[list[dict]]:
+    """Each of the agent's completions' tool calls, as rollouts.jsonl records them ([] without any)."""
+    recorded = node.get("tool_calls")
+    return recorded[agent] if recorded else [[] for _ in node["completions"][agent]]
+
+
+def _calls_note(calls: list[dict]) -> str:
+    n = len(calls)
+    return f' · <span class="badge tools">{n} tool call{"s" if n != 1 else ""}</span>' if n else ""
+
+
+def _calls_html(calls: list[dict]) -> str:
+    """The completion's calls from the record: name and arguments, then the error kind or the output."""
+    if not calls:
+        return ""
+    rows = []
+    for call in calls:
+        head = f'{html.escape(str(call["name"]))}({html.escape(json.dumps(call["arguments"], ensure_ascii=False))})'
+        error = f'<span class="badge terminated">{html.escape(call["error"])}</span> ' if call["error"] else ""
+        rows.append(f'<li class="call" data-error="{html.escape(call["error"] or "")}"><code>{head}</code> → '
+                    f'{error}<span class="tool-output">{html.escape(str(call["output"]))}</span></li>')
+    return f'<details class="calls"><summary>tool calls</summary><ol>{"".join(rows)}</ol></details>'
 
 
 def _joint_html(nid: int, j: int, ja: dict) -> str:

@@ -43,7 +43,7 @@ def _rollout(problems, mode="cross", threshold=2.0):
 def test_merged_shards_give_the_single_process_trees(mode):
     """Trees expanded in two shards and merged: the same records (ids, parents, children, rewards,
     returns, advantages) as one expansion of the whole batch; the fake backend's texts carry a
-    counter, so texts are compared without it."""
+    counter, so texts (and the id that spells it) are compared without it."""
     problems = [*PROBLEMS, {"prompt": "P2", "offset": 0.5}]
     whole = _rollout(problems, mode)
     parts = [portable(_rollout(problems[:2], mode), 0), portable(_rollout(problems[2:], mode), 2)]
@@ -53,13 +53,14 @@ def test_merged_shards_give_the_single_process_trees(mode):
         for record in records:
             for node in record["nodes"]:
                 node["completions"] = [[text.split("u")[0] for text in agent] for agent in node["completions"]]
+                node["completion_ids"] = [[ids[:1] for ids in agent] for agent in node["completion_ids"]]  # the same
         return records
 
     assert shape(tree_records(1, merged.problems, merged.nodes)) == shape(tree_records(1, whole.problems, whole.nodes))
     assert [n.turn for n in merged.nodes] == sorted(n.turn for n in merged.nodes)  # turn-major, as one process builds
     assert merged.terminated_per_turn == whole.terminated_per_turn
-    # texts travel, ids not
-    assert all(c.token_ids == [] for n in merged.nodes for agent in n.completions for c in agent)
+    # texts and ids travel (rollouts.jsonl records them, the tool metrics count their masks), log-probs not
+    assert all(c.token_ids and c.logprobs is None for n in merged.nodes for agent in n.completions for c in agent)
 
 
 def test_rank_metrics_merge_by_their_kind():

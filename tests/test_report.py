@@ -49,6 +49,13 @@ def read_jsonl(path):
     return [json.loads(line) for line in open(path)]
 
 
+def report_md(run_dir, records: list[dict]) -> str:
+    """report.md of a run dir whose metrics.jsonl holds `records`."""
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    report.write_report(run_dir, run_dir / "out")
+    return (run_dir / "out" / "report.md").read_text()
+
+
 def table_row(markdown: str, label: str) -> str:
     rows = [line for line in markdown.splitlines() if line.startswith(f"| {label} |")]
     assert rows, f"no row {label!r} in\n{markdown}"
@@ -150,9 +157,7 @@ def test_pass_at_1_is_plotted_and_summarised(tmp_path):
                 "eval/turn_1/pass@1": 0.5, "eval/turn_1/pass@1_greedy": 0.5, "eval/turn_0/reward_mean": 0.3},
                {"step": 5, "eval/turn_0/pass@1": 0.5, "eval/turn_0/pass@1_greedy": 0.5,
                 "eval/turn_1/pass@1": 1.0, "eval/turn_1/pass@1_greedy": 0.75, "eval/turn_0/reward_mean": 0.6}]
-    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    report.write_report(tmp_path, tmp_path / "out")
-    md = (tmp_path / "out" / "report.md").read_text()
+    md = report_md(tmp_path, records)
     assert "## Eval pass@1 (first and last eval, 2 in all)" in md
     assert table_row(md, "turn 1") == "| turn 1 | 0.000 | 0.500 | 0.250 | 0.500 |"
     assert table_row(md, "turn 1 → 2") == "| turn 1 → 2 | +0.500 | +0.250 | +0.250 | +0.500 |"
@@ -203,3 +208,16 @@ def test_cli_error_is_one_line_without_traceback(tmp_path):
     result = cli(tmp_path / "nope")
     assert result.returncode == 2
     assert result.stderr.splitlines() == [f"report error: {tmp_path / 'nope'} is not a directory"]
+
+
+def test_a_run_with_tools_gets_a_tools_section(tmp_path):
+    records = [{"step": s, "train/reward_mean": 0.1 * s, "tools/calls": calls, "tools/call_rate": rate,
+                "tools/seconds": 0.5 * s, "tools/turn_0/call_rate": rate, "tools/turn_1/call_rate": rate / 2,
+                **({"tools/errors/bad_json": 3} if s == 1 else {})}
+               for s, calls, rate in ((1, 4, 0.25), (2, 12, 0.75))]
+    md = report_md(tmp_path, records)
+    assert "## Tools (first → last step)" in md
+    assert table_row(md, "calls per step") == "| calls per step | 4.000 (step 1) | 12.000 (step 2) |"
+    assert table_row(md, "errors: bad_json") == "| errors: bad_json | 3.000 (step 1) | 3.000 (step 1) |"
+    assert table_row(md, "turn 2 call rate") == "| turn 2 call rate | 0.125 (step 1) | 0.375 (step 2) |"
+    assert "## Tools" not in report_md(tmp_path, [{"step": 1, "train/reward_mean": 0.1}])  # no tools, no section

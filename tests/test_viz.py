@@ -121,9 +121,14 @@ TOOL_TURN = ('I will compute it. <tool_call>{"name": "calculator", "arguments": 
 
 
 def tool_record() -> dict:
-    """hand_record with a turn that called a tool (its output carries HTML to escape)."""
+    """hand_record with a turn that called a tool (its output carries HTML to escape), its call recorded
+    as rollouts.jsonl does; and a call that failed, recorded though its text shows no call."""
     record = hand_record()
     record["nodes"][0]["completions"][0][1] = TOOL_TURN
+    record["nodes"][0]["tool_calls"] = [
+        [[], [{"name": "calculator", "arguments": {"expression": "6*7"}, "output": "42 </pre><script>alert(4)</script>",
+               "error": None}]],
+        [[{"name": None, "arguments": None, "output": "error: the call is not valid JSON", "error": "bad_json"}], []]]
     return record
 
 
@@ -212,9 +217,11 @@ def test_html_escapes_every_text():
 def test_html_shows_tool_calls_and_outputs_inline_and_escaped():
     page = render_tree_html(tool_record())
     dom = Elements(page)
-    calls, outputs = dom.with_class("tool-call"), dom.with_class("tool-output")
-    assert len(calls) == 1 and len(outputs) == 1
-    assert "1 tool call</span>" in page
+    calls = dom.with_class("tool-call")
+    assert len(calls) == 1 and len(dom.with_class("tool-output")) == 1 + 2  # inline, and each recorded call's
+    assert page.count("1 tool call</span>") == 2  # counted from the records: the failed call too
+    assert len(dom.with_class("call")) == 2 and "bad_json</span>" in page
+    assert "calculator({&quot;expression&quot;: &quot;6*7&quot;})" in page
     assert "&lt;tool_call&gt;{&quot;name&quot;: &quot;calculator&quot;" in page
     assert "42 &lt;/pre&gt;&lt;script&gt;alert(4)" in page and page.count("<script") == 1
     assert render_tree_html(hand_record()).count("tool-call") == 1  # no tool, no span (the CSS rule alone)
@@ -323,6 +330,8 @@ def test_page_renders_in_chromium_without_console_errors(chromium, tmp_path, sou
     assert body.get("data-rendered-nodes") == str(len(record["nodes"]))  # the page's script ran to the end
     calls = sum(tool_calls_in(t) for n in record["nodes"] for agent in n["completions"] for t in agent)
     assert len(dom.with_class("tool-call")) == calls  # the browser's DOM holds every call, inline
+    recorded = sum(len(c) for n in record["nodes"] for agent in n.get("tool_calls", []) for c in agent)
+    assert len(dom.with_class("call")) == recorded  # and every recorded call, listed
 
 
 @pytest.mark.slow
