@@ -1,0 +1,129 @@
+"""Every process magrpo starts dies with the trainer, however the trainer ends (SIGKILL included) and
+whatever the process does (`setsid`, a double fork, ignoring SIGTERM): issue 44.
+
+`command(argv)` is the argv that runs `argv` under a supervisor: this file run as a script,
+`python -I -S lifeline.py TRAINER_PID GRACE -- ARGV...` (stdlib only, no site-packages: a quick start;
+on Python 3.10 `-I` still puts this folder first on sys.path, and no module here has a stdlib name).
+The supervisor
+1. makes itself a child subreaper: a descendant whose parent exits (a `setsid` daemon, a double fork)
+   is re-parented to it instead of to init, so every descendant stays in its tree, where it finds them;
+2. watches the trainer through a pidfd, which becomes readable when the trainer's process exits, even
+   by SIGKILL, when no code of the trainer's runs;
+3. starts ARGV with its own stdin, stdout and stderr (the caller's pipes), then lets go of them, so the
+   caller still sees EOF when the program exits;
+4. when the program exits, the trainer dies, or GRACE seconds after a SIGTERM (passed on to the
+   program), SIGKILLs every descendant, reaps them, and exits with the program's status.
+
+Why not less: PR_SET_PDEATHSIG covers one process (a fork or `setsid` below it escapes, and it fires
+when the spawning *thread* ends); a process group or session is left by `setsid`; a PID namespace
+needs privileges. A subreaper works as root and as any user. It does not hold against a descendant
+that changes uid (a setuid program: SIGKILL is refused) or against a SIGKILL of the supervisor itself.
+"""
+from __future__ import annotations
+
+import os
+import select
+import signal
+import sys
+import time
+
+PR_SET_CHILD_SUBREAPER = 36  # <linux/prctl.h>
+KILL_GIVE_UP_S = 5.0  # descendants that SIGKILL cannot reach (another uid) are left after this long
+
+
+def command(argv: list[str], grace_s: float | None = None) -> list[str]:
+    """The argv that runs `argv` under a supervisor tied to this process (the trainer). `grace_s`: how
+    long the program has after a SIGTERM before everything is killed (None: as long as it takes;
+    the trainer's death still ends it at once)."""
+    grace = "-" if grace_s is None else repr(float(grace_s))
+    return [sys.executable, "-I", "-S", os.path.abspath(__file__), str(os.getpid()), grace, "--", *argv]
+
+
+# ---- the supervisor (runs as a script: the stdlib only) ---------------------------------------------
+
+def descendants(root: int) -> list[int]:
+    """Every live process below `root`, by the parent pids in /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as f:  # "pid (comm) state ppid ...": comm may hold ')'
+                    ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):  # gone meanwhile
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [root]
+    while todo:
+        below = children.get(todo.pop(), [])
+        found += below
+        todo += below
+    return found
+
+
+def kill_all() -> dict[int, int]:
+    """SIGKILL every descendant and reap them until none is left; the wait statuses of those reaped.
+    A process forked while we scan has a parent we kill: it is re-parented to us and found next round."""
+    statuses, until = {}, time.monotonic() + KILL_GIVE_UP_S
+    while time.monotonic() < until:
+        for pid in descendants(os.getpid()):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        try:
+            while (reaped := os.waitpid(-1, os.WNOHANG))[0]:
+                statuses[reaped[0]] = reaped[1]
+        except ChildProcessError:  # no child left, so no descendant: each one's ancestors lead here
+            break
+        time.sleep(0.01)
+    return statuses
+
+
+def supervise(trainer: int, grace_s: float | None, argv: list[str]) -> int:
+    import ctypes
+
+    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        print(f"lifeline: prctl(PR_SET_CHILD_SUBREAPER): {os.strerror(ctypes.get_errno())}", file=sys.stderr)
+        return 127
+    try:
+        trainer_fd = os.pidfd_open(trainer)
+    except ProcessLookupError:
+        return 137
+    if os.getppid() != trainer:  # the trainer died before we looked: that pid may be another process now
+        return 137
+    # Signals wake the select below; a Python handler (not SIG_IGN) is reset to the default in the program.
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        signal.signal(signum, lambda *_: None)
+    try:
+        pid = os.posix_spawnp(argv[0], argv, os.environ)
+    except OSError as e:
+        print(f"{type(e).__name__}: {e}", file=sys.stderr)
+        return 127
+    program_fd = os.pidfd_open(pid)
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):  # the caller's pipes are the program's alone now: EOF when it exits
+        os.dup2(null, fd)
+    deadline = None
+    while True:
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        ready = select.select([trainer_fd, program_fd, wake_r], [], [], timeout)[0]
+        if trainer_fd in ready or program_fd in ready or (deadline is not None and time.monotonic() >= deadline):
+            break
+        for signum in os.read(wake_r, 64) if wake_r in ready else b"":
+            # SIGINT is not passed on: a terminal sends it to the whole foreground group, the program too.
+            if signum != signal.SIGINT:
+                os.kill(pid, signum)
+                if grace_s is not None and deadline is None:
+                    deadline = time.monotonic() + grace_s
+    status = kill_all().get(pid)
+    if status is None:  # reaped by no one: cannot happen, but never report success for it
+        return 137
+    code = os.waitstatus_to_exitcode(status)
+    return code if code >= 0 else 128 - code
+
+
+if __name__ == "__main__":
+    sys.exit(supervise(int(sys.argv[1]), None if sys.argv[2] == "-" else float(sys.argv[2]), sys.argv[4:]))

@@ -1,0 +1,88 @@
+"""magrpo/lifeline.py: a program run under the supervisor, and every daemon it starts (`setsid`, a double
+fork, ignoring SIGTERM: tests/daemons.py), ends when the program exits, when the trainer is killed with
+SIGKILL (as root and as an unprivileged user), and a grace after a SIGTERM. Each test looks only at the
+processes it started (their pids), so none runs `alone`."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from magrpo import lifeline
+from tests.daemons import alive, gone_within, kill_left
+
+ROOT = Path(__file__).resolve().parent.parent
+DAEMONS = str(ROOT / "tests" / "daemons.py")
+
+# A trainer that starts `daemons.py` under a supervisor, passes the daemons' pids on and waits to be
+# killed. stdlib only (lifeline.py imported from its file), so the system's Python runs it unprivileged.
+TRAINER = """
+import subprocess, sys, time
+sys.path.insert(0, sys.argv[1])
+import lifeline
+child = subprocess.Popen(lifeline.command([sys.executable, sys.argv[2], "0", "3600"]), stdout=subprocess.PIPE)
+for _ in range(2):
+    sys.stdout.write(child.stdout.readline().decode())
+print(child.pid, flush=True)
+time.sleep(3600)
+"""
+
+
+def test_the_programs_daemons_die_when_it_exits_and_its_status_comes_back():
+    done = subprocess.run(lifeline.command([sys.executable, DAEMONS, "3"]), capture_output=True, text=True,
+                          timeout=60)
+    pids = [int(line) for line in done.stdout.split()]
+    try:
+        assert len(pids) == 2 and done.returncode == 3
+        assert gone_within(pids, 0) == []  # reaped before the supervisor exited
+    finally:
+        kill_left(pids)
+
+
+USERS = ["root", pytest.param("unprivileged", marks=pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root and setpriv to run as another user"))]
+
+
+@pytest.mark.parametrize("user", USERS)
+def test_everything_dies_with_a_trainer_killed_by_sigkill(user):
+    python, prefix = sys.executable, []
+    if user == "unprivileged":  # the venv may sit where another user cannot read: the system's Python
+        python = shutil.which("python3", path="/usr/bin:/bin")
+        if python is None:
+            pytest.skip("no system python3 to run as another user")
+        prefix = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+    trainer = subprocess.Popen([*prefix, python, "-c", TRAINER, str(ROOT / "magrpo"), DAEMONS],
+                               stdout=subprocess.PIPE, text=True)
+    pids = [int(trainer.stdout.readline()) for _ in range(3)]  # two daemons, then the supervisor
+    try:
+        assert all(alive(p) for p in pids)
+        trainer.kill()  # SIGKILL: no code of the trainer's runs
+        trainer.wait()
+        assert gone_within(pids, 5) == []
+    finally:
+        kill_left(pids)
+
+
+def test_a_sigterm_reaches_the_program_and_one_that_ignores_it_is_killed_after_the_grace():
+    def started(code: str, grace_s: float) -> subprocess.Popen:
+        proc = subprocess.Popen(lifeline.command([sys.executable, "-c", f"{code}print(flush=True); "
+                                                  f"import time; time.sleep(60)"], grace_s), stdout=subprocess.PIPE)
+        proc.stdout.readline()  # the program runs: the supervisor's handlers are in place
+        return proc
+
+    polite = started("", 30)
+    deaf = started("import signal; signal.signal(signal.SIGTERM, signal.SIG_IGN); ", 0.2)
+    try:
+        for proc in (polite, deaf):
+            proc.terminate()
+        assert polite.wait(timeout=30) == 128 + signal.SIGTERM  # passed on; it ended by it
+        assert deaf.wait(timeout=30) == 128 + signal.SIGKILL  # 0.2 s later, killed
+    finally:
+        for proc in (polite, deaf):
+            proc.kill()
+            proc.wait()
