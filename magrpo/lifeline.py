@@ -9,15 +9,16 @@ The supervisor
    is re-parented to it instead of to init, so every descendant stays in its tree, where it finds them;
 2. watches the trainer through a pidfd, which becomes readable when the trainer's process exits, even
    by SIGKILL, when no code of the trainer's runs;
-3. starts ARGV with its own stdin, stdout and stderr (the caller's pipes), then lets go of them, so the
-   caller still sees EOF when the program exits;
+3. starts ARGV with its own stdin, stdout, stderr and passed fds (the caller's pipes), then lets go of
+   them, so the caller still sees EOF when the program exits;
 4. when the program exits, the trainer dies, or GRACE seconds after a SIGTERM (passed on to the
    program), SIGKILLs every descendant, reaps them, and exits with the program's status.
 
 Why not less: PR_SET_PDEATHSIG covers one process (a fork or `setsid` below it escapes, and it fires
 when the spawning *thread* ends); a process group or session is left by `setsid`; a PID namespace
 needs privileges. A subreaper works as root and as any user. It does not hold against a descendant
-that changes uid (a setuid program: SIGKILL is refused) or against a SIGKILL of the supervisor itself.
+that changes uid (a setuid program: SIGKILL is refused), and a SIGKILL of the supervisor itself ends
+the program (its parent-death signal) but not the daemons it started.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ import signal
 import sys
 import time
 
-PR_SET_CHILD_SUBREAPER = 36  # <linux/prctl.h>
+PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36  # <linux/prctl.h>
 KILL_GIVE_UP_S = 5.0  # descendants that SIGKILL cannot reach (another uid) are left after this long
 
 
@@ -79,10 +80,38 @@ def kill_all() -> dict[int, int]:
     return statuses
 
 
+def spawn(libc, argv: list[str]) -> tuple[int, str]:
+    """Fork and exec `argv`: (its pid, '') or (0, why it could not start). The program gets SIGKILL when
+    the supervisor dies (PR_SET_PDEATHSIG; one thread here, so it means the process): a SIGKILL of the
+    supervisor itself (`subprocess.run`'s timeout) then still ends the program, if not its daemons.
+    A fork here is cheap: this process holds no model."""
+    error_r, error_w = os.pipe()  # close-on-exec: EOF at a successful exec, else the error
+    supervisor = os.getpid()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+            if os.getppid() == supervisor:  # else it died before the prctl: nothing to run for
+                os.execvp(argv[0], argv)
+        except BaseException as e:  # noqa: BLE001  (anything: the parent reports it)
+            if isinstance(e, OSError) and e.filename is None:  # execvp's error names no file: say which
+                e = type(e)(e.errno, e.strerror, argv[0])
+            os.write(error_w, f"{type(e).__name__}: {e}".encode())
+        os._exit(127)
+    os.close(error_w)
+    with os.fdopen(error_r, "rb") as f:
+        error = f.read().decode(errors="replace")
+    if error:
+        os.waitpid(pid, 0)
+        return 0, error
+    return pid, ""
+
+
 def supervise(trainer: int, grace_s: float | None, argv: list[str]) -> int:
     import ctypes
 
-    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
         print(f"lifeline: prctl(PR_SET_CHILD_SUBREAPER): {os.strerror(ctypes.get_errno())}", file=sys.stderr)
         return 127
     try:
@@ -97,15 +126,21 @@ def supervise(trainer: int, grace_s: float | None, argv: list[str]) -> int:
     signal.set_wakeup_fd(wake_w)
     for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
         signal.signal(signum, lambda *_: None)
-    try:
-        pid = os.posix_spawnp(argv[0], argv, os.environ)
-    except OSError as e:
-        print(f"{type(e).__name__}: {e}", file=sys.stderr)
+    pid, error = spawn(libc, argv)
+    if error:
+        print(error, file=sys.stderr)
         return 127
     program_fd = os.pidfd_open(pid)
+    # The caller's pipes and passed fds are the program's alone now: EOF as soon as it exits.
     null = os.open(os.devnull, os.O_RDWR)
-    for fd in (0, 1, 2):  # the caller's pipes are the program's alone now: EOF when it exits
+    for fd in (0, 1, 2):
         os.dup2(null, fd)
+    for fd in map(int, os.listdir("/proc/self/fd")):
+        if fd > 2 and fd not in (trainer_fd, program_fd, wake_r, wake_w):
+            try:
+                os.close(fd)
+            except OSError:  # the listing's own fd, closed already
+                pass
     deadline = None
     while True:
         timeout = None if deadline is None else max(0.0, deadline - time.monotonic())

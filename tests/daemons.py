@@ -8,6 +8,7 @@ line), sleeps SLEEP_S seconds, then exits with EXIT_CODE.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -54,21 +55,22 @@ def alive(pid: int) -> bool:
         return False
 
 
-def gone_within(pids, seconds: float) -> list[int]:
-    """The pids still alive after up to `seconds` (an empty list as soon as all have ended)."""
+def survivors(pids, seconds: float) -> list[int]:
+    """The pids still alive after up to `seconds` (at once when all have ended). Those are killed: a
+    failing test's processes are its own, and must not be left for an hour."""
     until = time.monotonic() + seconds
     while (left := [p for p in pids if alive(p)]) and time.monotonic() < until:
         time.sleep(0.05)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
     return left
 
 
-def kill_left(pids) -> None:
-    """A failing test's daemons are its own: end them instead of leaving them for an hour."""
-    import signal
-
-    for pid in pids:
-        if alive(pid):
-            os.kill(pid, signal.SIGKILL)
+def after_sigkill(trainer: subprocess.Popen, pids, seconds: float = 5) -> list[int]:
+    """SIGKILL the trainer (no code of its runs), then `survivors(pids, seconds)`."""
+    trainer.kill()
+    trainer.wait()
+    return survivors(pids, seconds)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from magrpo import lifeline
-from tests.daemons import alive, gone_within, kill_left
+from tests.daemons import after_sigkill, alive, survivors
 
 ROOT = Path(__file__).resolve().parent.parent
 DAEMONS = str(ROOT / "tests" / "daemons.py")
@@ -37,11 +37,8 @@ def test_the_programs_daemons_die_when_it_exits_and_its_status_comes_back():
     done = subprocess.run(lifeline.command([sys.executable, DAEMONS, "3"]), capture_output=True, text=True,
                           timeout=60)
     pids = [int(line) for line in done.stdout.split()]
-    try:
-        assert len(pids) == 2 and done.returncode == 3
-        assert gone_within(pids, 0) == []  # reaped before the supervisor exited
-    finally:
-        kill_left(pids)
+    assert survivors(pids, 0) == []  # reaped before the supervisor exited
+    assert len(pids) == 2 and done.returncode == 3
 
 
 USERS = ["root", pytest.param("unprivileged", marks=pytest.mark.skipif(
@@ -58,14 +55,13 @@ def test_everything_dies_with_a_trainer_killed_by_sigkill(user):
         prefix = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
     trainer = subprocess.Popen([*prefix, python, "-c", TRAINER, str(ROOT / "magrpo"), DAEMONS],
                                stdout=subprocess.PIPE, text=True)
-    pids = [int(trainer.stdout.readline()) for _ in range(3)]  # two daemons, then the supervisor
+    pids: list[int] = []
     try:
+        pids += [int(trainer.stdout.readline()) for _ in range(3)]  # two daemons, then the supervisor
         assert all(alive(p) for p in pids)
-        trainer.kill()  # SIGKILL: no code of the trainer's runs
-        trainer.wait()
-        assert gone_within(pids, 5) == []
     finally:
-        kill_left(pids)
+        left = after_sigkill(trainer, pids)
+    assert left == []
 
 
 def test_a_sigterm_reaches_the_program_and_one_that_ignores_it_is_killed_after_the_grace():
@@ -86,3 +82,15 @@ def test_a_sigterm_reaches_the_program_and_one_that_ignores_it_is_killed_after_t
         for proc in (polite, deaf):
             proc.kill()
             proc.wait()
+
+
+def test_a_program_that_cannot_start_says_why_and_one_whose_supervisor_is_killed_dies_too():
+    missing = subprocess.run(lifeline.command(["/nonexistent/program"]), capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 127
+    assert missing.stderr == "FileNotFoundError: [Errno 2] No such file or directory: '/nonexistent/program'\n"
+    # subprocess.run's timeout kills the supervisor with SIGKILL: the program must not run on
+    proc = subprocess.Popen(lifeline.command([sys.executable, "-c", "import os, time; print(os.getpid(), "
+                                              "flush=True); time.sleep(60)"]), stdout=subprocess.PIPE)
+    pid = int(proc.stdout.readline())
+    assert after_sigkill(proc, [pid]) == []
+

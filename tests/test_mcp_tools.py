@@ -13,7 +13,7 @@ import pytest
 from magrpo.config import McpServerConfig, TrainConfig
 from magrpo.errors import ConfigError
 from magrpo.tools import Tool, ToolCall, execute_calls
-from tests.daemons import KINDS, alive, gone_within, kill_left
+from tests.daemons import KINDS, after_sigkill, alive, survivors
 
 # It counts the host's processes, /tmp entries or SysV objects: it runs alone (.ci/run, docs/testing.md).
 pytestmark = pytest.mark.alone
@@ -148,9 +148,7 @@ def test_a_daemon_a_tool_started_ends_with_the_server(kind):
         assert all(alive(p) for p in pids)
     finally:
         close(servers)
-    left = gone_within(pids, 0)  # close() returns once the server's supervisor has reaped them
-    kill_left(left)
-    assert left == []
+    assert survivors(pids, 0) == []  # close() returns once the server's supervisor has reaped them
 
 
 # A trainer that opens a server, has it start a daemon of each kind, passes their pids and the
@@ -174,15 +172,13 @@ def test_a_trainer_killed_by_sigkill_mid_call_takes_its_server_and_the_daemons_a
     import time
 
     trainer = subprocess.Popen([sys.executable, "-c", TRAINER, str(ROOT)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
-    pids = [int(trainer.stdout.readline()) for _ in range(3)]  # the server, then its two daemons
+    pids: list[int] = []
     try:
+        pids += [int(trainer.stdout.readline()) for _ in range(3)]  # the server, then its two daemons
         assert all(alive(p) for p in pids)
         time.sleep(0.5)  # the `wait` call is under way
-        trainer.kill()
-        trainer.wait()
-        left = gone_within(pids, 5)
     finally:
-        kill_left(pids)
+        left = after_sigkill(trainer, pids)
     assert left == []
 
 

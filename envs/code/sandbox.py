@@ -35,6 +35,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Iterator, Sequence
 
+from magrpo import lifeline
+
 from . import isolation, syscalls, wire
 from .isolation import BOOT, ENV, MODES, SANDBOX_LIB
 
@@ -105,9 +107,13 @@ class _Judge:
     def __init__(self) -> None:
         ours, theirs = socket.socketpair()
         self.sock = ours
-        self.proc = subprocess.Popen(  # isolated mode, importing from a folder of its own (judge_lib)
-            [sys.executable, "-I", "-S", "-c", BOOT.format("judge"), judge_lib(), str(theirs.fileno())],
-            pass_fds=(theirs.fileno(),),
+        # Isolated mode, importing from a folder of its own (judge_lib), under a lifeline supervisor: the
+        # judge ends at EOF on its socket, but a judge busy in a slow preamble or case outlived a trainer
+        # killed by SIGKILL for up to the timeout; now it dies with the trainer. `kill` reaches both (one
+        # process group).
+        argv = [sys.executable, "-I", "-S", "-c", BOOT.format("judge"), judge_lib(), str(theirs.fileno())]
+        self.proc = subprocess.Popen(
+            lifeline.command(argv), pass_fds=(theirs.fileno(),),
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
             env=ENV)
         theirs.close()
