@@ -109,11 +109,10 @@ class _Judge:
         self.sock = ours
         # Isolated mode, importing from a folder of its own (judge_lib), under a lifeline supervisor: the
         # judge ends at EOF on its socket, but a judge busy in a slow preamble or case outlived a trainer
-        # killed by SIGKILL for up to the timeout; now it dies with the trainer. `kill` reaches both (one
-        # process group).
+        # killed by SIGKILL for up to the timeout; now it dies with the trainer.
         argv = [sys.executable, "-I", "-S", "-c", BOOT.format("judge"), judge_lib(), str(theirs.fileno())]
         self.proc = subprocess.Popen(
-            lifeline.command(argv), pass_fds=(theirs.fileno(),),
+            lifeline.command(argv, grace_s=0), pass_fds=(theirs.fileno(),),
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
             env=ENV)
         theirs.close()
@@ -124,12 +123,17 @@ class _Judge:
         self.sock.sendall(data)
 
     def kill(self) -> None:
+        """End the judge and its child of the moment, and return once they are reaped: a SIGTERM to the
+        supervisor (no grace) has it kill and reap them, then exit. A SIGKILL of the whole group would
+        return while they may still be exiting (a check for leftovers then saw one)."""
+        self.proc.terminate()
         try:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # the judge and its child of the moment
-        except ProcessLookupError:
-            pass
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:  # never seen; a stuck supervisor must not hang the trainer
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
         self.sock.close()
-        self.proc.wait()
 
 
 @functools.lru_cache(maxsize=1)
