@@ -46,6 +46,14 @@ def start(kind: str) -> int:
         return int(f.read())
 
 
+def hanging_build(out: str, seconds: float) -> None:
+    """A warm-start build (magrpo.sft.build_pinned's target) that starts a daemon of each kind, says
+    `pid N` for itself and each of them on stderr, and hangs."""
+    for pid in (os.getpid(), *map(start, KINDS)):
+        print(f"pid {pid}", file=sys.stderr, flush=True)
+    time.sleep(seconds)
+
+
 def alive(pid: int) -> bool:
     """The process exists and is not a zombie (a zombie has ended; only its parent's wait is missing)."""
     try:

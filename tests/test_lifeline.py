@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from magrpo import lifeline
+from magrpo import lifeline, pinned
 from tests.daemons import after_sigkill, alive, survivors
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -94,3 +94,26 @@ def test_a_program_that_cannot_start_says_why_and_one_whose_supervisor_is_killed
     pid = int(proc.stdout.readline())
     assert after_sigkill(proc, [pid]) == []
 
+
+BUILDER = """from pathlib import Path
+import sys
+from magrpo import sft
+sft.build_pinned("tests.daemons:hanging_build", {"seconds": 3600}, Path(sys.argv[1]), "test")
+"""
+
+
+@pytest.mark.slow  # the pinned child imports torch
+@pytest.mark.skipif(not pinned.supported(), reason="no pinned child on this CPU: the build runs in the trainer")
+def test_a_pinned_build_and_its_daemons_die_with_a_trainer_killed_by_sigkill(tmp_path):
+    trainer = subprocess.Popen([sys.executable, "-c", BUILDER, str(tmp_path / "out")], cwd=ROOT,
+                               stderr=subprocess.PIPE, text=True)
+    pids: list[int] = []
+    try:
+        while len(pids) < 3:  # the build, then its two daemons
+            line = trainer.stderr.readline()
+            assert line, "the trainer ended before the build said its pids"
+            if line.startswith("pid "):
+                pids.append(int(line.split()[1]))
+    finally:
+        left = after_sigkill(trainer, pids)
+    assert left == []
