@@ -316,7 +316,11 @@ run_program(prog("def f(x):\\n    return x\\n", ["assert candidate(1) == 1"], "i
 def test_a_busy_judge_dies_with_a_trainer_killed_by_sigkill():
     """A judge ends at EOF on its socket, but one busy in a slow preamble or case outlived a trainer killed
     by SIGKILL for up to the program's timeout (issue 44). Under its lifeline supervisor it dies at once."""
-    trainer = subprocess.Popen([sys.executable, "-c", SLOW_JUDGE], cwd=CHECKOUT, stdin=subprocess.DEVNULL)
+    # Its own TMPDIR: the private copies a SIGKILLed trainer cannot remove at exit are removed here.
+    tmp = tempfile.mkdtemp(prefix="magrpo-killed-trainer-")
+    os.chmod(tmp, 0o755)  # the sandbox's uid reads the candidate's copy in it
+    trainer = subprocess.Popen([sys.executable, "-c", SLOW_JUDGE], cwd=CHECKOUT, stdin=subprocess.DEVNULL,
+                               env={**os.environ, "TMPDIR": tmp})
     judges: list[int] = []
     try:
         deadline = time.monotonic() + 30
@@ -326,6 +330,7 @@ def test_a_busy_judge_dies_with_a_trainer_killed_by_sigkill():
         assert len(judges) == 2 and trainer.poll() is None, "the judge did not start on the program"
     finally:
         left = after_sigkill(trainer, judges, 3)
+        isolation.remove(tmp)
     assert left == []
 
 
