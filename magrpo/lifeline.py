@@ -14,6 +14,9 @@ The supervisor
 4. when the program exits, the trainer dies, or GRACE seconds after a SIGTERM (passed on to the
    program), SIGKILLs every descendant, reaps them, and exits with the program's status.
 
+`watch(pids)` covers children a library starts itself (vLLM's engine core), where no argv of ours
+runs: a small watcher ends them (SIGTERM, then SIGKILL) when the trainer dies.
+
 Why not less: PR_SET_PDEATHSIG covers one process (a fork or `setsid` below it escapes, and it fires
 when the spawning *thread* ends); a process group or session is left by `setsid`; a PID namespace
 needs privileges. A subreaper works as root and as any user. It does not hold against a descendant
@@ -40,10 +43,27 @@ def command(argv: list[str], grace_s: float | None = None) -> list[str]:
     return [sys.executable, "-I", "-S", os.path.abspath(__file__), str(os.getpid()), grace, "--", *argv]
 
 
-# ---- the supervisor (runs as a script: the stdlib only) ---------------------------------------------
+def watch(pids: list[int], grace_s: float = 5.0) -> None:
+    """For children this process did not start through `command` (a library's: vLLM's engine core): a
+    watcher that, when this process dies (SIGKILL too), sends them SIGTERM and, `grace_s` later, SIGKILL.
+    It holds pidfds taken here, while they are our unreaped children, so a reused pid is never hit;
+    it exits by itself once they have all ended. Their own children are theirs to end."""
+    import subprocess
 
-def descendants(root: int) -> list[int]:
-    """Every live process below `root`, by the parent pids in /proc."""
+    fds = [os.pidfd_open(pid) for pid in pids]
+    try:
+        subprocess.Popen([sys.executable, "-I", "-S", os.path.abspath(__file__), "--watch", str(os.getpid()),
+                          repr(float(grace_s)), *map(str, fds)], pass_fds=fds, start_new_session=True,
+                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+# ---- the process tree, by /proc ------------------------------------------------------------------
+
+def children_of() -> dict[int, list[int]]:
+    """Every live process's children, by the parent pids in /proc."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -53,12 +73,26 @@ def descendants(root: int) -> list[int]:
             except (OSError, IndexError, ValueError):  # gone meanwhile
                 continue
             children.setdefault(ppid, []).append(int(entry))
+    return children
+
+
+def descendants(root: int) -> list[int]:
+    """Every live process below `root`."""
+    children = children_of()
     found, todo = [], [root]
     while todo:
         below = children.get(todo.pop(), [])
         found += below
         todo += below
     return found
+
+
+def children(pid: int) -> list[int]:
+    """The live children of `pid`."""
+    return children_of().get(pid, [])
+
+
+# ---- the supervisor and the watcher (run as a script: the stdlib only) -----------------------------
 
 
 def kill_all() -> dict[int, int]:
@@ -78,6 +112,19 @@ def kill_all() -> dict[int, int]:
             break
         time.sleep(0.01)
     return statuses
+
+
+def pidfd_of_parent(trainer: int) -> int | None:
+    """A pidfd of the trainer, our parent; None when it has died already (then that pid may be another
+    process's by now, which a pidfd opened by number would watch instead)."""
+    try:
+        fd = os.pidfd_open(trainer)
+    except ProcessLookupError:
+        return None
+    if os.getppid() != trainer:
+        os.close(fd)
+        return None
+    return fd
 
 
 def spawn(libc, argv: list[str]) -> tuple[int, str]:
@@ -114,11 +161,8 @@ def supervise(trainer: int, grace_s: float | None, argv: list[str]) -> int:
     if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
         print(f"lifeline: prctl(PR_SET_CHILD_SUBREAPER): {os.strerror(ctypes.get_errno())}", file=sys.stderr)
         return 127
-    try:
-        trainer_fd = os.pidfd_open(trainer)
-    except ProcessLookupError:
-        return 137
-    if os.getppid() != trainer:  # the trainer died before we looked: that pid may be another process now
+    trainer_fd = pidfd_of_parent(trainer)
+    if trainer_fd is None:
         return 137
     # Signals wake the select below; a Python handler (not SIG_IGN) is reset to the default in the program.
     wake_r, wake_w = os.pipe()
@@ -160,5 +204,27 @@ def supervise(trainer: int, grace_s: float | None, argv: list[str]) -> int:
     return code if code >= 0 else 128 - code
 
 
+def watch_main(trainer: int, grace_s: float, fds: list[int]) -> int:
+    """`watch`'s watcher: waits for the trainer's death, or for every watched process to end first."""
+    trainer_fd = pidfd_of_parent(trainer)
+    while fds and trainer_fd is not None:
+        ready = select.select([trainer_fd, *fds], [], [])[0]
+        if trainer_fd in ready:
+            break
+        fds = [fd for fd in fds if fd not in ready]  # these ended
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 0.0)):
+        for fd in fds:
+            try:
+                signal.pidfd_send_signal(fd, sig)
+            except ProcessLookupError:
+                pass
+        until = time.monotonic() + wait_s
+        while fds and (left := until - time.monotonic()) > 0:
+            fds = [fd for fd in fds if fd not in select.select(fds, [], [], left)[0]]
+    return 0
+
+
 if __name__ == "__main__":
+    if sys.argv[1] == "--watch":
+        sys.exit(watch_main(int(sys.argv[2]), float(sys.argv[3]), [int(fd) for fd in sys.argv[4:]]))
     sys.exit(supervise(int(sys.argv[1]), None if sys.argv[2] == "-" else float(sys.argv[2]), sys.argv[4:]))

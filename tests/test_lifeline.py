@@ -95,6 +95,33 @@ def test_a_program_that_cannot_start_says_why_and_one_whose_supervisor_is_killed
     assert after_sigkill(proc, [pid]) == []
 
 
+# A trainer with two children of its own (as a library starts them: not through `command`), one of
+# which ignores SIGTERM, under `watch`; it passes their pids on and waits to be killed.
+WATCHED = """
+import subprocess, sys, time
+sys.path.insert(0, sys.argv[1])
+import lifeline
+polite = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
+deaf = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                         "print(flush=True); time.sleep(3600)"], stdout=subprocess.PIPE)
+deaf.stdout.readline()
+lifeline.watch([polite.pid, deaf.pid], grace_s=0.5)
+print(polite.pid, deaf.pid, flush=True)
+time.sleep(3600)
+"""
+
+
+def test_watched_children_of_a_trainer_killed_by_sigkill_end_after_it():
+    trainer = subprocess.Popen([sys.executable, "-c", WATCHED, str(ROOT / "magrpo")], stdout=subprocess.PIPE, text=True)
+    pids: list[int] = []
+    try:
+        pids += map(int, trainer.stdout.readline().split())
+        assert len(pids) == 2 and all(alive(p) for p in pids)
+    finally:
+        left = after_sigkill(trainer, pids)  # SIGTERM at once, SIGKILL 0.5 s later for the deaf one
+    assert left == []
+
+
 BUILDER = """from pathlib import Path
 import sys
 from magrpo import sft
