@@ -14,14 +14,18 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
+import errno
 import inspect
 import json
+import os
+import shutil
 import tempfile
 import threading
 from contextlib import AsyncExitStack
 from dataclasses import asdict
 from typing import Any, Sequence
 
+from . import lifeline
 from .config import McpServerConfig
 from .errors import ConfigError
 from .tools import Tool
@@ -138,10 +142,17 @@ def transport(server: McpServerConfig, stderr):
     streamable HTTP for a URL."""
     if server.command:
         from mcp import StdioServerParameters, stdio_client
+        from mcp.client.stdio import get_default_environment
 
-        params = StdioServerParameters(command=server.command[0], args=list(server.command[1:]),
-                                       env=dict(server.env) or None)
-        return stdio_client(params, errlog=stderr)
+        # Under a lifeline supervisor (magrpo/lifeline.py): the server and every process it starts die
+        # with this process, even by SIGKILL. Its grace after the SDK's SIGTERM (1 s) ends before the
+        # SDK's SIGKILL of the group (2 s later), which would leave the supervisor no time to clean up.
+        env = get_default_environment() | dict(server.env)
+        executable = shutil.which(server.command[0], path=env.get("PATH"))
+        if executable is None:  # found here, as the SDK would have: the supervisor could only say it later
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), server.command[0])
+        argv = lifeline.command([executable, *server.command[1:]], grace_s=1.0)
+        return stdio_client(StdioServerParameters(command=argv[0], args=argv[1:], env=env), errlog=stderr)
     from mcp.client.streamable_http import streamable_http_client
 
     return streamable_http_client(server.url)

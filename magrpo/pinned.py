@@ -28,6 +28,8 @@ import subprocess
 import sys
 from typing import Any, Mapping, Sequence
 
+from . import lifeline
+
 PORTABLE_KERNELS = {
     "ATEN_CPU_CAPABILITY": "avx2",  # torch's own vectorized kernels: the AVX2 build, not AVX-512's
     "MKL_CBWR": "COMPATIBLE,STRICT",  # MKL's one code path for Intel and AMD alike (its AVX2 branch is Intel-only)
@@ -77,9 +79,10 @@ def command(args: Sequence[str]) -> list[str]:
 
 
 def run(args: Sequence[str], **kwargs: Any) -> subprocess.CompletedProcess:
-    """`python -m magrpo.pinned ARGS` in a child with the pins in its environment (`env=` adds to it)."""
+    """`python -m magrpo.pinned ARGS` in a child with the pins in its environment (`env=` adds to it),
+    under a lifeline supervisor (magrpo.lifeline): it dies with this process, even by SIGKILL."""
     env = pinned_env({**os.environ, **kwargs.pop("env", {})})
-    return subprocess.run(command(args), env=env, **kwargs)
+    return subprocess.run(lifeline.command(command(args)), env=env, **kwargs)
 
 
 def main(argv: Sequence[str]) -> int:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from . import pinned
+from . import lifeline, pinned
 from .errors import MagrpoError
 
 
@@ -124,7 +124,8 @@ def build_pinned(target: str, arguments: Mapping[str, Any], out: Path, label: st
         module, function = target.split(":")
         getattr(importlib.import_module(module), function)(out=str(out), **arguments)
         return
-    args = pinned.command(["--call", target, json.dumps({"out": str(out), **arguments})])
+    # Under a lifeline supervisor: a trainer killed meanwhile (SIGKILL too) does not leave a build running.
+    args = lifeline.command(pinned.command(["--call", target, json.dumps({"out": str(out), **arguments})]))
     error = None
     with subprocess.Popen(args, env=pinned.pinned_env(), stderr=subprocess.PIPE, text=True, errors="replace") as proc:
         for line in proc.stderr:

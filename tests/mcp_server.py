@@ -35,6 +35,15 @@ def pid() -> str:
     return str(os.getpid())
 
 
+@server.tool()
+def daemon(kind: str) -> str:
+    """Start a daemon that escapes the server's process group (tests/daemons.py: setsid or double_fork);
+    its pid."""
+    from tests.daemons import start
+
+    return str(start(kind))
+
+
 if __name__ == "__main__":  # `python -m tests.mcp_server http PORT`: streamable HTTP at /mcp; otherwise stdio
     import sys
 

@@ -13,6 +13,7 @@ import pytest
 from magrpo.config import McpServerConfig, TrainConfig
 from magrpo.errors import ConfigError
 from magrpo.tools import Tool, ToolCall, execute_calls
+from tests.daemons import KINDS, after_sigkill, alive, survivors
 
 # It counts the host's processes, /tmp entries or SysV objects: it runs alone (.ci/run, docs/testing.md).
 pytestmark = pytest.mark.alone
@@ -69,7 +70,7 @@ def call(tools, *calls: ToolCall):
 
 
 def test_discovery_gives_each_tool_its_openai_schema(opened):
-    assert list(opened) == ["add", "fail", "wait", "pid"]
+    assert list(opened) == ["add", "fail", "wait", "pid", "daemon"]
     add = opened["add"].schema
     assert add["name"] == "add" and add["description"] == "Add two integers."
     assert add["parameters"]["required"] == ["a", "b"]
@@ -133,11 +134,59 @@ def test_a_server_at_a_url_over_streamable_http():
         process.wait()
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_daemon_a_tool_started_ends_with_the_server(kind):
+    """A tool's `setsid` or double-forked daemon, which ignores SIGTERM, is gone once the servers close
+    (issue 44: the SDK's group kill never reached it)."""
+    from magrpo.mcp_tools import close, mcp_tools
+
+    servers = [server(f"daemon-{kind}")]  # an argument the server ignores: a session of its own
+    [tools] = mcp_tools(servers)
+    try:
+        daemon, pid = call({t.name: t for t in tools}, ToolCall("daemon", {"kind": kind}), ToolCall("pid", {}))
+        pids = [int(daemon.text), int(pid.text)]
+        assert all(alive(p) for p in pids)
+    finally:
+        close(servers)
+    assert survivors(pids, 0) == []  # close() returns once the server's supervisor has reaped them
+
+
+# A trainer that opens a server, has it start a daemon of each kind, passes their pids and the
+# server's on, and hangs in a tool call until the test kills it with SIGKILL.
+TRAINER = """
+import sys
+from magrpo.config import McpServerConfig
+from magrpo.mcp_tools import mcp_tools
+from magrpo.tools import ToolCall, execute_calls
+
+entry = McpServerConfig(command=[sys.executable, "-m", "tests.mcp_server"], env={"PYTHONPATH": sys.argv[1]})
+[tools] = mcp_tools([entry])
+for call in [ToolCall("pid", {})] + [ToolCall("daemon", {"kind": kind}) for kind in ("setsid", "double_fork")]:
+    print(execute_calls([call], tools, 60.0, 1000, 8)[0].text, flush=True)
+execute_calls([ToolCall("wait", {"seconds": 3600})], tools, 3600.0, 1000, 8)
+"""
+
+
+def test_a_trainer_killed_by_sigkill_mid_call_takes_its_server_and_the_daemons_along():
+    import subprocess
+    import time
+
+    trainer = subprocess.Popen([sys.executable, "-c", TRAINER, str(ROOT)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    pids: list[int] = []
+    try:
+        pids += [int(trainer.stdout.readline()) for _ in range(3)]  # the server, then its two daemons
+        assert all(alive(p) for p in pids)
+        time.sleep(0.5)  # the `wait` call is under way
+    finally:
+        left = after_sigkill(trainer, pids)
+    assert left == []
+
+
 def test_a_selection_of_a_tool_the_server_lacks_names_what_it_has():
     from magrpo.mcp_tools import mcp_tools
 
     with pytest.raises(ConfigError, match=r"^tools\.mcp\[0\]\.tools: 'mul': not a tool of the server .*; it has: "
-                                          r"add, fail, wait, pid$"):
+                                          r"add, fail, wait, pid, daemon$"):
         mcp_tools([server(tools=["add", "mul"])])
 
 

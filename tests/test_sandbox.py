@@ -14,10 +14,12 @@ from pathlib import Path
 
 import pytest
 
+from magrpo import lifeline
 from magrpo.envs.code import cgroups, isolation, syscalls
 from magrpo.envs.code.sandbox import run_many, run_program
 from magrpo.envs.code.script import run_script
 from tests import hostile
+from tests.daemons import after_sigkill
 from tests.hostile import CASES, FAST, prog
 
 # It counts the host's processes, /tmp entries or SysV objects: it runs alone (.ci/run, docs/testing.md).
@@ -305,6 +307,42 @@ def test_nothing_of_a_sandbox_outlives_a_killed_trainer():
     assert not list(Path(cgroups.CGROUP_ROOT).glob(f"*/**/{cgroups.PREFIX}{trainer.pid}-*"))
 
 
+# A trainer whose judge is busy in a slow test preamble (the candidate only defines `f`) when it dies.
+SLOW_JUDGE = """from magrpo.envs.code.sandbox import run_program
+from tests.hostile import FAST, prog
+run_program(prog("def f(x):\\n    return x\\n", ["assert candidate(1) == 1"], "import time\\ntime.sleep(100)\\n"),
+            FAST.__class__(timeout_s=100, cpu_s=100))
+"""
+
+
+def test_a_busy_judge_dies_with_a_trainer_killed_by_sigkill():
+    """A judge ends at EOF on its socket, but one busy in a slow preamble or case outlived a trainer killed
+    by SIGKILL for up to the program's timeout (issue 44). Under its lifeline supervisor it dies at once."""
+    # Its own TMPDIR: the private copies a SIGKILLed trainer cannot remove at exit are removed here.
+    tmp = tempfile.mkdtemp(prefix="magrpo-killed-trainer-")
+    os.chmod(tmp, 0o755)  # the sandbox's uid reads the candidate's copy in it
+    trainer = subprocess.Popen([sys.executable, "-c", SLOW_JUDGE], cwd=CHECKOUT, stdin=subprocess.DEVNULL,
+                               env={**os.environ, "TMPDIR": tmp})
+    judges: list[int] = []
+    try:
+        deadline = time.monotonic() + 30
+        while len(judges) < 2 and time.monotonic() < deadline:  # the warm judge and its child for the program
+            time.sleep(0.05)
+            judges = [p for p in lifeline.descendants(trainer.pid) if b"import judge" in _cmdline(p)]
+        assert len(judges) == 2 and trainer.poll() is None, "the judge did not start on the program"
+    finally:
+        left = after_sigkill(trainer, judges, 3)
+        isolation.remove(tmp)
+    assert left == []
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
 NOBODY = 65534
 
 
@@ -339,6 +377,9 @@ def test_hostile_programs_are_contained_for_an_unprivileged_trainer():
         shutil.copytree(CHECKOUT / "envs" / "code", folder / "envs" / "code",
                         ignore=shutil.ignore_patterns("data", "__pycache__", "env.py", "problems.py", "reward.py"))
         (folder / "envs" / "__init__.py").write_text("")
+        (folder / "magrpo").mkdir()  # the judge's lifeline supervisor (stdlib only), without the rest of magrpo
+        (folder / "magrpo" / "__init__.py").write_text("")
+        shutil.copy(CHECKOUT / "magrpo" / "lifeline.py", folder / "magrpo")
         shutil.copy(CHECKOUT / "tests" / "hostile.py", folder)
         import pyseccomp  # the system's Python has no packages: the binding (one file) goes beside hostile.py
 

@@ -172,6 +172,44 @@ def test_agents_with_their_own_base_model_get_one_engine_each(make_cfg, tmp_path
         backend.close()
 
 
+# A trainer that starts the backend, passes on the processes that came with it (vLLM's engine core,
+# multiprocessing's resource tracker, our watcher) and waits to be killed.
+ENGINE_TRAINER = """
+import os, sys, time
+from magrpo import lifeline
+from magrpo.backends import make_backend
+from magrpo.models import load_agents
+from tests.conftest import SMALL, compose
+cfg = compose([*SMALL, "lora.r=4", "backend=vllm"])
+before = set(lifeline.descendants(os.getpid()))
+backend = make_backend(cfg, load_agents(cfg, 2))
+print("pids", *[pid for pid in lifeline.descendants(os.getpid()) if pid not in before], flush=True)
+time.sleep(3600)
+"""
+
+
+def test_the_engine_dies_with_a_trainer_killed_by_sigkill():
+    """vLLM's engine core outlived a trainer killed with -9, reparented to init with the model in its
+    memory (issue 44); `lifeline.watch` now ends it."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+    from tests.daemons import after_sigkill
+
+    trainer = subprocess.Popen([sys.executable, "-c", ENGINE_TRAINER], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    pids: list[int] = []
+    try:
+        for line in trainer.stdout:  # vLLM logs to stdout too
+            if line.startswith("pids "):
+                pids += map(int, line.split()[1:])
+                break
+        assert len(pids) >= 2, "no engine process came with the backend"
+    finally:
+        left = after_sigkill(trainer, pids, 15)  # SIGTERM first: the engine may take a moment to end
+    assert left == []
+
+
 def test_vllm_stops_at_a_stop_string_and_keeps_it(setup):
     """What the tool loop needs (a call's end as a stop string), as the HF backend does it."""
     agents, backend = setup

@@ -35,6 +35,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Iterator, Sequence
 
+from magrpo import lifeline
+
 from . import cgroups, isolation, syscalls, wire
 from .isolation import BOOT, ENV, MODES, SANDBOX_LIB
 
@@ -105,9 +107,12 @@ class _Judge:
     def __init__(self) -> None:
         ours, theirs = socket.socketpair()
         self.sock = ours
-        self.proc = subprocess.Popen(  # isolated mode, importing from a folder of its own (judge_lib)
-            [sys.executable, "-I", "-S", "-c", BOOT.format("judge"), judge_lib(), str(theirs.fileno())],
-            pass_fds=(theirs.fileno(),),
+        # Isolated mode, importing from a folder of its own (judge_lib), under a lifeline supervisor: the
+        # judge ends at EOF on its socket, but a judge busy in a slow preamble or case outlived a trainer
+        # killed by SIGKILL for up to the timeout; now it dies with the trainer.
+        argv = [sys.executable, "-I", "-S", "-c", BOOT.format("judge"), judge_lib(), str(theirs.fileno())]
+        self.proc = subprocess.Popen(
+            lifeline.command(argv, grace_s=0), pass_fds=(theirs.fileno(),),
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
             env=ENV)
         theirs.close()
@@ -118,12 +123,17 @@ class _Judge:
         self.sock.sendall(data)
 
     def kill(self) -> None:
+        """End the judge and its child of the moment, and return once they are reaped: a SIGTERM to the
+        supervisor (no grace) has it kill and reap them, then exit. A SIGKILL of the whole group would
+        return while they may still be exiting (a check for leftovers then saw one)."""
+        self.proc.terminate()
         try:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # the judge and its child of the moment
-        except ProcessLookupError:
-            pass
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:  # never seen; a stuck supervisor must not hang the trainer
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
         self.sock.close()
-        self.proc.wait()
 
 
 @functools.lru_cache(maxsize=1)

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Iterator, Mapping, Sequence
 
 import torch
 
+from .. import lifeline
 from ..errors import ConfigError, SyncError
 from ..generation import GenerationRequest, SamplingParams
 from ..loss import token_logprobs
@@ -153,6 +154,7 @@ class VLLMBackend:
         rank = lora_rank_for(cfg.lora.r, typing.get_args(MaxLoRARanks))
         device = next(self.agents[0].model.parameters()).device
         # The engine core (and its worker) are spawned here and read their environment when they start.
+        started_before = set(lifeline.children(os.getpid()))
         with patched_environ(engine_env(os.environ, device, usable_cpus())):
             self.engines = {
                 path: vllm.LLM(
@@ -166,6 +168,9 @@ class VLLMBackend:
                 )
                 for path, group in self.by_path.items()
             }
+        # vLLM's engine core (and multiprocessing's resource tracker) outlived a trainer killed with -9,
+        # holding the model's memory: a watcher ends them if this process dies (magrpo/lifeline.py).
+        lifeline.watch([pid for pid in lifeline.children(os.getpid()) if pid not in started_before])
         self.root = Path(tempfile.mkdtemp(prefix="magrpo-lora-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
         self.version = 0
         self.lora: dict[int, object] = {}  # agent index -> its current LoRARequest

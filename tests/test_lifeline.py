@@ -1,0 +1,146 @@
+"""magrpo/lifeline.py: a program run under the supervisor, and every daemon it starts (`setsid`, a double
+fork, ignoring SIGTERM: tests/daemons.py), ends when the program exits, when the trainer is killed with
+SIGKILL (as root and as an unprivileged user), and a grace after a SIGTERM. Each test looks only at the
+processes it started (their pids), so none runs `alone`."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from magrpo import lifeline, pinned
+from tests.daemons import after_sigkill, alive, survivors
+
+ROOT = Path(__file__).resolve().parent.parent
+DAEMONS = str(ROOT / "tests" / "daemons.py")
+
+# A trainer that starts `daemons.py` under a supervisor, passes the daemons' pids on and waits to be
+# killed. stdlib only (lifeline.py imported from its file), so the system's Python runs it unprivileged.
+TRAINER = """
+import subprocess, sys, time
+sys.path.insert(0, sys.argv[1])
+import lifeline
+child = subprocess.Popen(lifeline.command([sys.executable, sys.argv[2], "0", "3600"]), stdout=subprocess.PIPE)
+for _ in range(2):
+    sys.stdout.write(child.stdout.readline().decode())
+print(child.pid, flush=True)
+time.sleep(3600)
+"""
+
+
+def test_the_programs_daemons_die_when_it_exits_and_its_status_comes_back():
+    done = subprocess.run(lifeline.command([sys.executable, DAEMONS, "3"]), capture_output=True, text=True,
+                          timeout=60)
+    pids = [int(line) for line in done.stdout.split()]
+    assert survivors(pids, 0) == []  # reaped before the supervisor exited
+    assert len(pids) == 2 and done.returncode == 3
+
+
+USERS = ["root", pytest.param("unprivileged", marks=pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root and setpriv to run as another user"))]
+
+
+@pytest.mark.parametrize("user", USERS)
+def test_everything_dies_with_a_trainer_killed_by_sigkill(user):
+    python, prefix = sys.executable, []
+    if user == "unprivileged":  # the venv may sit where another user cannot read: the system's Python
+        python = shutil.which("python3", path="/usr/bin:/bin")
+        if python is None:
+            pytest.skip("no system python3 to run as another user")
+        prefix = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+    trainer = subprocess.Popen([*prefix, python, "-c", TRAINER, str(ROOT / "magrpo"), DAEMONS],
+                               stdout=subprocess.PIPE, text=True)
+    pids: list[int] = []
+    try:
+        pids += [int(trainer.stdout.readline()) for _ in range(3)]  # two daemons, then the supervisor
+        assert all(alive(p) for p in pids)
+    finally:
+        left = after_sigkill(trainer, pids)
+    assert left == []
+
+
+def test_a_sigterm_reaches_the_program_and_one_that_ignores_it_is_killed_after_the_grace():
+    def started(code: str, grace_s: float) -> subprocess.Popen:
+        proc = subprocess.Popen(lifeline.command([sys.executable, "-c", f"{code}print(flush=True); "
+                                                  f"import time; time.sleep(60)"], grace_s), stdout=subprocess.PIPE)
+        proc.stdout.readline()  # the program runs: the supervisor's handlers are in place
+        return proc
+
+    polite = started("", 30)
+    deaf = started("import signal; signal.signal(signal.SIGTERM, signal.SIG_IGN); ", 0.2)
+    try:
+        for proc in (polite, deaf):
+            proc.terminate()
+        assert polite.wait(timeout=30) == 128 + signal.SIGTERM  # passed on; it ended by it
+        assert deaf.wait(timeout=30) == 128 + signal.SIGKILL  # 0.2 s later, killed
+    finally:
+        for proc in (polite, deaf):
+            proc.kill()
+            proc.wait()
+
+
+def test_a_program_that_cannot_start_says_why_and_one_whose_supervisor_is_killed_dies_too():
+    missing = subprocess.run(lifeline.command(["/nonexistent/program"]), capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 127
+    assert missing.stderr == "FileNotFoundError: [Errno 2] No such file or directory: '/nonexistent/program'\n"
+    # subprocess.run's timeout kills the supervisor with SIGKILL: the program must not run on
+    proc = subprocess.Popen(lifeline.command([sys.executable, "-c", "import os, time; print(os.getpid(), "
+                                              "flush=True); time.sleep(60)"]), stdout=subprocess.PIPE)
+    pid = int(proc.stdout.readline())
+    assert after_sigkill(proc, [pid]) == []
+
+
+# A trainer with two children of its own (as a library starts them: not through `command`), one of
+# which ignores SIGTERM, under `watch`; it passes their pids on and waits to be killed.
+WATCHED = """
+import subprocess, sys, time
+sys.path.insert(0, sys.argv[1])
+import lifeline
+polite = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
+deaf = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                         "print(flush=True); time.sleep(3600)"], stdout=subprocess.PIPE)
+deaf.stdout.readline()
+lifeline.watch([polite.pid, deaf.pid], grace_s=0.5)
+print(polite.pid, deaf.pid, flush=True)
+time.sleep(3600)
+"""
+
+
+def test_watched_children_of_a_trainer_killed_by_sigkill_end_after_it():
+    trainer = subprocess.Popen([sys.executable, "-c", WATCHED, str(ROOT / "magrpo")], stdout=subprocess.PIPE, text=True)
+    pids: list[int] = []
+    try:
+        pids += map(int, trainer.stdout.readline().split())
+        assert len(pids) == 2 and all(alive(p) for p in pids)
+    finally:
+        left = after_sigkill(trainer, pids)  # SIGTERM at once, SIGKILL 0.5 s later for the deaf one
+    assert left == []
+
+
+BUILDER = """from pathlib import Path
+import sys
+from magrpo import sft
+sft.build_pinned("tests.daemons:hanging_build", {"seconds": 3600}, Path(sys.argv[1]), "test")
+"""
+
+
+@pytest.mark.slow  # the pinned child imports torch
+@pytest.mark.skipif(not pinned.supported(), reason="no pinned child on this CPU: the build runs in the trainer")
+def test_a_pinned_build_and_its_daemons_die_with_a_trainer_killed_by_sigkill(tmp_path):
+    trainer = subprocess.Popen([sys.executable, "-c", BUILDER, str(tmp_path / "out")], cwd=ROOT,
+                               stderr=subprocess.PIPE, text=True)
+    pids: list[int] = []
+    try:
+        while len(pids) < 3:  # the build, then its two daemons
+            line = trainer.stderr.readline()
+            assert line, "the trainer ended before the build said its pids"
+            if line.startswith("pid "):
+                pids.append(int(line.split()[1]))
+    finally:
+        left = after_sigkill(trainer, pids)
+    assert left == []
