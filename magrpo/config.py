@@ -357,7 +357,7 @@ class LimitsConfig:
 @dataclass
 class ToolsConfig:
     names: list[str] = field(default_factory=list)
-    """Tools the agents may call inside a turn (docs/tools.md; hf backend): registered names (calculator) or
+    """Tools the agents may call inside a turn (docs/tools.md; hf and vllm backends): registered names (calculator) or
     `package.module:function` / `package.module:TOOL`; also `tools=[a,b]`. Empty = no tools (generation as before)."""
     max_calls: int = 4
     """Tool calls one agent's turn may make at most; a reply that calls again after them ends the turn (>= 1)."""

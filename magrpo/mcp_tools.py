@@ -19,6 +19,7 @@ import inspect
 import json
 import os
 import shutil
+import sys
 import tempfile
 import threading
 from contextlib import AsyncExitStack
@@ -137,6 +138,9 @@ def check_size(tool: Tool, key: str, server: McpServerConfig) -> None:
                                                      f"it out with {key}.tools=[...] or raise the limit")
 
 
+PYTHON = ("python", "python3")  # a stdio server's command naming these runs under sys.executable
+
+
 def transport(server: McpServerConfig, stderr):
     """The SDK's client transport for an entry: stdio for a command (its stderr kept aside for errors),
     streamable HTTP for a URL."""
@@ -148,7 +152,9 @@ def transport(server: McpServerConfig, stderr):
         # with this process, even by SIGKILL. Its grace after the SDK's SIGTERM (1 s) ends before the
         # SDK's SIGKILL of the group (2 s later), which would leave the supervisor no time to clean up.
         env = get_default_environment() | dict(server.env)
-        executable = shutil.which(server.command[0], path=env.get("PATH"))
+        # `python` is the trainer's own interpreter (its venv and packages), not the first on the SDK's PATH
+        executable = sys.executable if server.command[0] in PYTHON else shutil.which(server.command[0],
+                                                                                      path=env.get("PATH"))
         if executable is None:  # found here, as the SDK would have: the supervisor could only say it later
             raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), server.command[0])
         argv = lifeline.command([executable, *server.command[1:]], grace_s=1.0)

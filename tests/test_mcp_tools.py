@@ -321,3 +321,25 @@ def test_a_training_run_calls_an_mcp_tool_and_ends_its_server(make_cfg, monkeypa
     assert all(m["tools/calls"] > 0 for m in metrics) and not any("tools/errors/raised" in m for m in metrics)
     assert "<tool_response>\\n42\\n</tool_response>" in (run / "rollouts.jsonl").read_text()
     assert len(opened) == 1 and server_processes(marker) == []
+
+
+def test_the_docs_server_example_runs_under_command_python(tmp_path):
+    """docs/tools.md's server, saved as my_pkg/server.py and started as `command: [python, -m, my_pkg.server]`:
+    `python` is the trainer's own interpreter, whose packages (the SDK) the server needs; on the SDK's
+    minimal PATH it was another Python (here one without `mcp`), and the server failed to start."""
+    import re
+
+    from magrpo.mcp_tools import close, mcp_tools
+
+    doc = (ROOT / "docs" / "tools.md").read_text()
+    [example] = [block for block in re.findall(r"```python\n(.*?)```", doc, re.DOTALL) if "MCPServer(" in block]
+    (tmp_path / "my_pkg").mkdir()
+    (tmp_path / "my_pkg" / "__init__.py").write_text("")
+    (tmp_path / "my_pkg" / "server.py").write_text(example)
+    servers = [McpServerConfig(command=["python", "-m", "my_pkg.server"], env={"PYTHONPATH": str(tmp_path)})]
+    try:
+        [tools] = mcp_tools(servers)
+        [result] = execute_calls([ToolCall("add", {"a": 2, "b": 40})], tools, 10.0, 1000, 1)
+    finally:
+        close(servers)
+    assert [t.name for t in tools] == ["add"] and result.text == "42" and result.error is None
