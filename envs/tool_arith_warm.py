@@ -142,7 +142,7 @@ def _train(spec: WarmSpec, base: Path, out: Path) -> None:
 
     steps = sft.fit(model, batches(), choices=_choices(tok), target=[spec.call_share, 1 - spec.call_share],
                     pad_id=tok.pad_token_id, lr=spec.lr, stop=stop,
-                    label=LABEL, log_every=spec.check_every)
+                    label=LABEL, log_every=spec.check_every, total=spec.max_steps)
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
     sft.write_record(out, {"steps": steps, "calls_copy": shares["calls"], "answers_copy": shares["answers"]})

@@ -82,28 +82,31 @@ def _shared_prefix(batch: Sequence[Example]) -> int:
 
 def fit(model, batches: Iterable[Sequence[Example]], *, choices: Sequence[int], target: Sequence[float],
         pad_id: int, lr: float, stop: Callable[[int], bool] = lambda step: False,
-        label: str = "warm start", log_every: int = 50) -> int:
+        label: str = "warm start", log_every: int = 50, total: int | None = None) -> int:
     """AdamW steps over `batches` (until they run out, or `stop(step)` says so after a step); returns
-    the steps taken. Progress goes to stderr."""
+    the steps taken. Progress goes to stderr: the step, the loss, the time so far and, given the most
+    steps it can take (`total`), how long the rest takes at the pace so far."""
     import torch
 
     params = [p for p in model.parameters() if p.requires_grad]
     optim = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     choices_t, target_t = torch.tensor(list(choices)), torch.tensor(list(target))
     model.train()
-    start, step, total = time.perf_counter(), 0, 0.0
+    start, step, running, most = time.perf_counter(), 0, 0.0, total
     for step, batch in enumerate(batches, 1):
         value = loss(model, batch, choices_t, target_t, pad_id)
         optim.zero_grad()
         value.backward()
         optim.step()
-        total += value.item()
-        if not math.isfinite(total):
+        running += value.item()
+        if not math.isfinite(running):
             raise WarmStartError(f"{label}: the loss is {value.item()} at step {step}; lower the learning rate")
         if step % log_every == 0:
-            print(f"{label}: step {step} loss {total / log_every:.4f} ({time.perf_counter() - start:.0f} s)",
-                  file=sys.stderr, flush=True)
-            total = 0.0
+            spent = time.perf_counter() - start
+            left = f", at most {spent / step * (most - step):.0f} s more" if most and most > step else ""
+            print(f"{label}: step {step}{f' of at most {most}' if most else ''} loss {running / log_every:.4f} "
+                  f"({spent:.0f} s{left})", file=sys.stderr, flush=True)
+            running = 0.0
         if stop(step):
             break
     return step

@@ -97,3 +97,15 @@ def test_the_command_line_takes_a_seed():
     proc = subprocess.run([sys.executable, "-m", "magrpo.envs.tool_arith_warm", "--help"], capture_output=True,
                           text=True, cwd=ROOT, timeout=60)
     assert proc.returncode == 0 and "--seed" in proc.stdout
+
+
+def test_progress_says_the_step_the_most_steps_and_how_long_the_rest_takes(tiny, capsys):
+    """A warm start that runs for many minutes said only its step and loss: no way to know how long."""
+    tok, model = tiny
+    rng = random.Random(0)
+    batches = ([warm.example(tok, *warm.transcript(rng, 0.5, 2))] for _ in range(4))
+    steps = sft.fit(model, batches, choices=warm._choices(tok), target=[0.5, 0.5], pad_id=tok.pad_token_id,
+                    lr=0.0, label="probe", log_every=2, total=10)
+    lines = capsys.readouterr().err.splitlines()
+    assert steps == 4 and len(lines) == 2
+    assert lines[0].startswith("probe: step 2 of at most 10 loss ") and " s more)" in lines[0]

@@ -215,7 +215,7 @@ def _train(spec: WarmSpec, base: Path, env: CodeEnv, out: Path) -> None:
                                                  target_modules="all-linear", task_type="CAUSAL_LM"))
     examples = ([sft.Example(t.ids(), t.learn_mask(), len(t.prompt_ids))] for t in transcripts)
     sft.fit(model, examples, choices=_first_tokens(transcripts), target=[spec.call_share, 1 - spec.call_share],
-            pad_id=tok.pad_token_id, lr=spec.lr, label=LABEL, log_every=10)
+            pad_id=tok.pad_token_id, lr=spec.lr, label=LABEL, log_every=10, total=len(transcripts))
     merged = model.merge_and_unload()
     merged.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
