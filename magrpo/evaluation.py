@@ -36,7 +36,8 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 def run_paths(problems, env, backend, feedback, num_turns, sampling, seed: int | None = None,
               world: World | None = None, early_termination_threshold: float | None = None,
               on_reward_error: str = "raise", stop_on_truncation: bool = False,
-              conversation=None, stop_strings: StopStrings | None = None) -> dict[int, list[tuple[int, dict]]]:
+              conversation=None, stop_strings: StopStrings | None = None,
+              user_code_timeout_s: float = 0) -> dict[int, list[tuple[int, dict]]]:
     """turn -> [(problem index, outcomes)] for one K=1 path per problem, in problem order. With
     several processes each runs its share of the problems and rank 0 gets them all (others: {})."""
     world = world or World()  # one process
@@ -49,7 +50,7 @@ def run_paths(problems, env, backend, feedback, num_turns, sampling, seed: int |
                                 stop_on_truncation=stop_on_truncation, on_reward_error=on_reward_error,
                                 expand="all", resample_zero_std=0,
                                 cross_credit="mean", team_weight=1.0, overlap_chunks=1,
-                                stop=stop_strings or StopStrings())
+                                stop=stop_strings or StopStrings(), user_code_timeout_s=user_code_timeout_s)
         rollout = expand_trees(problems[start:stop], env, backend, feedback, settings, sampling,
                                seed=seed, tree_offset=start, conversation=conversation)
         last: dict[int, tuple[int, dict]] = {}
@@ -83,6 +84,7 @@ def evaluate(
     stop_on_truncation: bool = False,
     conversation=None,
     stop_strings: StopStrings | None = None,
+    user_code_timeout_s: float = 0,
 ) -> dict[str, float]:
     """Eval metrics (on rank 0 when several processes share the problems); `seed` keys the sampled
     paths' streams; paths stop early, score errors are handled, and each agent's stop strings end its
@@ -90,7 +92,8 @@ def evaluate(
     start = time.perf_counter()
     out: dict[str, float] = {}
     stop = dict(early_termination_threshold=early_termination_threshold, on_reward_error=on_reward_error,
-                stop_on_truncation=stop_on_truncation, conversation=conversation, stop_strings=stop_strings)
+                stop_on_truncation=stop_on_truncation, conversation=conversation, stop_strings=stop_strings,
+                user_code_timeout_s=user_code_timeout_s)
     greedy = run_paths(problems, env, backend, feedback, num_turns, replace(sampling, greedy=True), world=world, **stop)
     repeated = [p for p in problems for _ in range(num_samples)]
     sampled = (

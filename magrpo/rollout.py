@@ -20,7 +20,7 @@ import numpy as np
 from .advantage import all_groups_flat, own_values
 from .backends import GenerationBackend
 from .env import CompletionInfo, Environment, Scored, call_env
-from .errors import RewardError, describe, qualified_name
+from .errors import RewardError, TimedOut, describe, qualified_name, within
 from .feedback import Branch, accepted
 from .generation import GenerationRequest, SamplingParams, StopStrings
 from .sampling import stream_key
@@ -47,6 +47,7 @@ class TreeSettings:
     team_weight: float  # with per-agent rewards: each agent's value = w x team + (1 - w) x its own
     overlap_chunks: int  # a turn's nodes in this many backend calls, scored while the next part generates
     stop: StopStrings  # each agent's stop strings (generation.stop, agents[i].stop): its requests carry them
+    user_code_timeout_s: float  # seconds the env's score of a turn may take (limits.user_code_timeout_s; 0: no limit)
 
     @classmethod
     def of(cls, cfg: Any) -> "TreeSettings":
@@ -58,7 +59,7 @@ class TreeSettings:
                    expand=trainer.expand,
                    resample_zero_std=trainer.resample_zero_std, cross_credit=trainer.cross_credit,
                    team_weight=cfg.reward.team_weight, overlap_chunks=cfg.generation.overlap_chunks,
-                   stop=StopStrings.of(cfg))
+                   stop=StopStrings.of(cfg), user_code_timeout_s=cfg.limits.user_code_timeout_s)
 
 
 EXPAND_DRAWS = 0x45585044  # a stream domain of its own for random:M (never a sampling stream's key)
@@ -66,28 +67,40 @@ RESAMPLE_DRAWS = 0x52534D50  # the same for the regenerated samples of dynamic s
 
 
 def score_guarded(
-    env: Environment, owners: list, texts: list, infos: list[list[CompletionInfo]], on_error: str, turn: int
+    env: Environment, owners: list, texts: list, infos: list[list[CompletionInfo]], on_error: str, turn: int,
+    timeout_s: float = 0,
 ) -> tuple[list[Scored], list[bool]]:
     """env.score over a whole turn; on failure, each joint action alone, to name (raise) or zero the bad ones.
-    `infos` (per joint action, per agent) reach a score() that takes a `completion_info` keyword."""
+    `infos` (per joint action, per agent) reach a score() that takes a `completion_info` keyword. A call that
+    runs past `timeout_s` (0: no limit) stops the run (TimedOut), whatever reward.on_error says."""
     takes = accepted(env.score)
+
+    def score(*args, **kwargs) -> list[Scored]:
+        late = lambda: TimedOut(  # noqa: E731
+            f"env {type(env).__name__} ({scoring_method(env)}) did not return within limits.user_code_timeout_s="
+            f"{timeout_s:g} s scoring turn {turn}; make it faster or raise the limit (0 = none); the run dir is "
+            f"resumable from its last checkpoint with resume=auto")
+        return within(timeout_s, late, env.score, *args, **kwargs)
+
     try:
-        scored = env.score(owners, texts, **takes({"completion_info": infos}))
+        scored = score(owners, texts, **takes({"completion_info": infos}))
         if all(bad_score(s, len(t)) is None for s, t in zip(scored, texts)):
             if len(scored) != len(texts):  # the env's bug, not one joint action's: no retry one by one
                 raise RewardError(f"env {type(env).__name__} ({scoring_method(env)}) returned {len(scored)} "
                                   f"score(s) for {len(texts)} joint actions of turn {turn}; return one per joint "
                                   f"action, in order")
             return scored, [False] * len(scored)
-    except RewardError:
+    except (RewardError, TimedOut):
         raise
     except Exception:  # noqa: BLE001  (any env error: find the joint action that caused it)
         pass
     out, failed = [], []
     for i, (owner, joint_texts) in enumerate(zip(owners, texts)):
         try:
-            (one,) = env.score([owner], [joint_texts], **takes({"completion_info": [infos[i]]}))
+            (one,) = score([owner], [joint_texts], **takes({"completion_info": [infos[i]]}))
             error = bad_score(one, len(joint_texts))
+        except TimedOut:
+            raise
         except Exception as e:  # noqa: BLE001
             error = describe(e)
         if error is not None and on_error == "raise":
@@ -300,7 +313,8 @@ class TreeExpander:
         texts = [[node.completions[a][j[a]].text for a in range(n)] for node in nodes for j in joint]
         infos = [self.completion_info(node, j) for node in nodes for j in range(len(joint))]
         owners = [self.problems[node.tree] for node in nodes for _ in joint]
-        scored, failed = score_guarded(self.env, owners, texts, infos, self.tree.on_reward_error, turn)
+        scored, failed = score_guarded(self.env, owners, texts, infos, self.tree.on_reward_error, turn,
+                                       self.tree.user_code_timeout_s)
         shape = (len(nodes), len(joint))
         rewards = np.asarray([s.reward for s in scored], dtype=np.float64).reshape(shape)
         own = None

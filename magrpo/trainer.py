@@ -85,7 +85,8 @@ def prepare(
         _check_split(env, "eval", cfg.limits)
     check_tree_size(cfg, env.num_agents)
     cfg.external.mode = mode_for(cfg.external.mode, env)  # config.json records the mode that ran, not `auto`
-    checked = Feedback(cfg.external, env, feedback, max_prompt_chars=cfg.limits.max_prompt_chars)
+    checked = Feedback(cfg.external, env, feedback, max_prompt_chars=cfg.limits.max_prompt_chars,
+                       timeout_s=cfg.limits.user_code_timeout_s)
     checked.check()
     return env, checked
 
@@ -313,7 +314,8 @@ class Run:
                        self.cfg.eval.num_samples, seed=stream_key(trainer.seed, step, EVAL_STREAM), world=self.world,
                        early_termination_threshold=trainer.early_termination_threshold,
                        on_reward_error=self.cfg.reward.on_error, stop_on_truncation=trainer.stop_on_truncation,
-                       conversation=self.conversation, stop_strings=self.tree.stop)
+                       conversation=self.conversation, stop_strings=self.tree.stop,
+                       user_code_timeout_s=self.tree.user_code_timeout_s)
         if self.world.is_main:
             last = trainer.num_turns - 1
             summary = ", ".join(
