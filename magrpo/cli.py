@@ -15,7 +15,7 @@ from typing import Any, Mapping, Sequence
 
 from . import plugins
 from .config import TrainConfig
-from .errors import ConfigError, MagrpoError, Stopped
+from .errors import ConfigError, Interrupted, MagrpoError, Stopped
 from .registry import ENV_HINT, FEEDBACK_HINT
 
 # Installed, the YAML files ship inside the package (pyproject.toml); in a checkout they sit at its top.
@@ -386,7 +386,9 @@ def guarded(fn) -> tuple[int, str]:
         MagrpoError
     ) as e:  # ours: bad input (exit 2; a hub id that cannot be fetched is found only while loading) or a stop (1)
         return report("config error" if isinstance(e, ConfigError) else "error", e, e.exit_code)
-    except KeyboardInterrupt as e:  # a second signal (or Ctrl-C during start-up)
+    except Interrupted as e:  # a signal while the run started: it stopped at once, its debris removed
+        return report("stopped", e, e.exit_code, str(e))
+    except KeyboardInterrupt as e:  # Ctrl-C before the run's handlers are installed (composing the config)
         return report("stopped", e, 130, "interrupted; resume=auto continues from the last complete checkpoint, if any")
     except Exception as e:  # noqa: BLE001  (user code and everything else: one line, traceback kept)
         return report("error", e, 1)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import random
+import shutil
 import signal
 import sys
 import time
@@ -20,7 +21,7 @@ from .config import LimitsConfig, TrainConfig, check_finite
 from .console import StopSignals, progress_bar, startup_line, summary_line
 from .distributed import World, world_from_env
 from .env import Environment, call_env, check_problem_prompts, check_prompt_sizes, make_env
-from .errors import ConfigError, Stopped, TrainingError, log_traceback
+from .errors import ConfigError, Interrupted, Stopped, TrainingError, log_traceback
 from .evaluation import evaluate
 from .feedback import Feedback, FeedbackTarget, mode_for
 from .generation import SamplingParams
@@ -121,23 +122,25 @@ TRAIN_STREAM, EVAL_STREAM = 0, 1
 def train(cfg: TrainConfig, env: Environment | None = None, feedback: FeedbackTarget | None = None) -> Path:
     """Check cfg (prepare) and train; returns the run dir. From Python, use `magrpo.train`: it also
     composes and type-checks the config the way the command line does."""
-    try:
-        env, feedback = prepare(cfg, env, feedback)
-        world = world_from_env(cfg.model.device, cfg.trainer.dist_timeout_min)
+    with StopSignals() as stop:  # from the first line: a signal while models load stops at once, cleanly
         try:
-            with owned_run_dir(cfg, world) as run_dir:
-                return _train(cfg, env, feedback, world, run_dir)
-        finally:
-            world.close()
-    finally:  # MCP servers start at validation: they end with the run, however it ends
-        release(cfg.tools)
+            env, feedback = prepare(cfg, env, feedback)
+            world = world_from_env(cfg.model.device, cfg.trainer.dist_timeout_min)
+            try:
+                with owned_run_dir(cfg, world) as run_dir:
+                    return _train(cfg, env, feedback, world, run_dir, stop)
+            finally:
+                world.close()
+        finally:  # MCP servers start at validation: they end with the run, however it ends
+            release(cfg.tools)
 
 
 @contextmanager
 def owned_run_dir(cfg: TrainConfig, world: World):
     """The run dir (made when new), locked by rank 0 for the whole run: a second writer stops here, before
     any model loads, with one line naming the holder. Every rank gets its path. A dir made here and
-    still empty at the end (the run stopped before writing anything) is removed."""
+    still empty at the end (the run stopped before writing anything) is removed, and so is one that a
+    signal during start-up stopped (it holds only the config and empty logs of a run that never began)."""
     held: list[run_lock.RunLock] = []
     made: list[Path] = []
 
@@ -147,19 +150,29 @@ def owned_run_dir(cfg: TrainConfig, world: World):
         held.append(run_lock.acquire(path))
         return str(path)
 
+    path = None
     try:
-        yield Path(checkpoint.on_main(world, take))
+        path = Path(checkpoint.on_main(world, take))
+        yield path
+    except Interrupted as e:
+        if made and not checkpoint.holds_checkpoints(made[0]):
+            shutil.rmtree(made[0], ignore_errors=True)
+            made.clear()
+            raise Interrupted(e.signum, f"{e}: nothing trained, the run dir it made is removed") from None
+        where = f"; resume=auto logging.run_dir={path} continues from its last checkpoint, if any" if path else ""
+        raise Interrupted(e.signum, f"{e}{where}") from None
     finally:
         for lock in held:
             lock.release()
-        for path in made:
+        for made_path in made:
             with suppress(OSError):  # not empty: the run wrote something
-                path.rmdir()
+                made_path.rmdir()
 
 
-def _train(cfg: TrainConfig, env: Environment, feedback: Feedback, world: World, run_dir: Path) -> Path:
+def _train(cfg: TrainConfig, env: Environment, feedback: Feedback, world: World, run_dir: Path,
+           stop: StopSignals) -> Path:
     """The loop of the README: collect -> advantages -> update -> log -> eval / checkpoint."""
-    run = Run(cfg, env, feedback, world, run_dir)
+    run = Run(cfg, env, feedback, world, run_dir, stop)
     trainer = cfg.trainer
     with run:
         if cfg.eval.at_start and run.first_step == 1:
@@ -187,7 +200,8 @@ class Run:
     after the resume decision; a context manager that closes what it opened (and keeps the
     traceback of an error in the run dir)."""
 
-    def __init__(self, cfg: TrainConfig, env: Environment, feedback: Feedback, world: World, run_dir: Path):
+    def __init__(self, cfg: TrainConfig, env: Environment, feedback: Feedback, world: World, run_dir: Path,
+                 stop: StopSignals):
         # Before any model loads: a resume that does not match its run stops here (rank 0 decides).
         chosen = checkpoint.on_main(world, lambda: checkpoint.choose(cfg.resume, str(run_dir), asdict(cfg)))
         seed_everything(cfg.trainer.seed)  # the same on every rank: identical initial adapters
@@ -230,7 +244,8 @@ class Run:
                              model_dtype(cfg.model)), file=sys.stderr
             )
         self.bar = progress_bar(trainer.steps, cfg.logging.progress and world.is_main, initial=self.first_step - 1)
-        self.stop = StopSignals()
+        self.stop = stop
+        stop.ready()  # start-up is over: a signal now finishes the step and writes a checkpoint
 
     def __enter__(self) -> "Run":
         return self
@@ -243,7 +258,6 @@ class Run:
                 if log is not None:
                     error.add_note(f"traceback in {log}")
         finally:
-            self.stop.restore()
             self.bar.close()
             self.writer.close()
             self.backend.close()

@@ -1,13 +1,20 @@
-"""Every start and every stop is clean (issue 45): hung user code is stopped by its time limit."""
+"""Every start and every stop is clean (issue 45): hung user code is stopped by its time limit or by
+a second signal, and a signal during start-up says so in one line and leaves nothing behind."""
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from magrpo.cli import main
+from magrpo.console import StopSignals
 from tests import stop_probe
-from tests.conftest import SMALL
+from tests.conftest import ROOT, SMALL
 
 
 @pytest.fixture
@@ -64,3 +71,62 @@ def test_a_hung_env_score_stops_at_its_time_limit(make_cfg, monkeypatch, release
 def test_user_code_timeout_is_checked(run_cli):
     code, lines = run_cli(*SMALL, "limits.user_code_timeout_s=-1")
     assert (code, lines) == (2, ["config error: limits.user_code_timeout_s: must be >= 0, got -1.0 (0 = no limit)"])
+
+
+def start(tmp_path: Path, *overrides: str, stall: str | None = None) -> subprocess.Popen:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", MAGRPO_TEST_GATE=str(tmp_path))
+    env.pop("MAGRPO_DEBUG", None)
+    if stall:
+        env["MAGRPO_TEST_STALL"] = stall
+    return subprocess.Popen([sys.executable, "train.py", *SMALL, f"logging.run_dir={tmp_path / 'run'}", *overrides],
+                            cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for(path: Path, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + 300
+    while not path.exists():
+        assert proc.poll() is None, proc.communicate()[1]
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("first, second", [(signal.SIGINT, signal.SIGINT), (signal.SIGTERM, signal.SIGTERM)])
+def test_a_second_signal_stops_a_hung_feedback_function_at_once(tmp_path, first, second):
+    """Ctrl-C, then Ctrl-C again: still running 90 s later (the pool's workers, stuck in the function,
+    were joined); one SIGTERM never ended it. Now the second signal ends the process within seconds,
+    with one line and 128 + its number."""
+    proc = start(tmp_path, "external.mode=tests.stop_probe:hang", "external.max_concurrency=4")
+    try:
+        wait_for(tmp_path / "entered", proc)
+        proc.send_signal(first)
+        line = proc.stderr.readline()
+        while line and "finishing this step" not in line:
+            line = proc.stderr.readline()
+        assert f"magrpo: {first.name}: finishing this step" in line
+        time.sleep(StopSignals.REPEAT_S + 0.2)  # a later signal, not torchrun's forwarded copy of the first
+        proc.send_signal(second)
+        _, err = proc.communicate(timeout=5)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + second, err
+    assert err.strip().splitlines() == [f"stopped: {second.name} again: stopped at once, without a checkpoint; "
+                                        "resume=auto continues from the last complete checkpoint, if any"], err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", ["load_agents", "startup_line"])
+def test_sigterm_during_start_up_is_one_line_and_leaves_nothing(tmp_path, stage):
+    """A SIGTERM while weights loaded killed the run silently and left run.lock (and after the logs
+    were made, config.json and empty logs) in the run dir: the handler came after the model."""
+    proc = start(tmp_path, "plugins=[tests.stop_probe]", stall=stage)
+    try:
+        wait_for(tmp_path / stage, proc)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert err.strip().splitlines()[-1] == ("stopped: SIGTERM during start-up, before the first step: nothing "
+                                            "trained, the run dir it made is removed"), err
+    assert not (tmp_path / "run").exists()
