@@ -14,7 +14,7 @@ import pytest
 from magrpo.cli import main
 from magrpo.console import StopSignals
 from tests import stop_probe
-from tests.conftest import ROOT, SMALL
+from tests.conftest import ROOT, SMALL, wait_for
 
 
 @pytest.fixture
@@ -80,14 +80,6 @@ def start(tmp_path: Path, *overrides: str, stall: str | None = None) -> subproce
         env["MAGRPO_TEST_STALL"] = stall
     return subprocess.Popen([sys.executable, "train.py", *SMALL, f"logging.run_dir={tmp_path / 'run'}", *overrides],
                             cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
-
-
-def wait_for(path: Path, proc: subprocess.Popen) -> None:
-    deadline = time.monotonic() + 300
-    while not path.exists():
-        assert proc.poll() is None, proc.communicate()[1]
-        assert time.monotonic() < deadline, f"{path} never appeared"
-        time.sleep(0.05)
 
 
 @pytest.mark.slow

@@ -24,6 +24,8 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from magrpo.paths import owned_folder, remove_tree, sweep
+
 from . import syscalls
 
 HERE = Path(__file__).resolve().parent
@@ -62,7 +64,10 @@ def private_copy(prefix: str, names: tuple[str, ...], python: str, mode: int) ->
     """A fresh folder holding only `names` from this package, byte-compiled by `python`, removed at exit.
     The judge imports from such a folder (nothing else of the checkout is on its path); the candidate's
     folder is what bwrap mounts at SANDBOX_LIB."""
-    folder = tempfile.mkdtemp(prefix=prefix)
+    # Named by its owner's pid and held by an flock: a run killed by SIGKILL leaves it to the next one to sweep.
+    sweep(tempfile.gettempdir(), prefix)
+    folder, _ = owned_folder(tempfile.gettempdir(), prefix)  # the flock lasts as long as this process
+    folder = str(folder)
     for name in names:
         shutil.copy2(HERE / name, folder)
     subprocess.run([python, "-I", "-S", "-m", "compileall", "-q", folder], check=True,
@@ -78,12 +83,7 @@ def private_copy(prefix: str, names: tuple[str, ...], python: str, mode: int) ->
 def remove(folder: str) -> None:
     """Remove a private copy, write bits first: its folders are read-only (the judge's 0500), which root
     ignores but an unprivileged owner does not (rmtree then left every /tmp/magrpo-judge-* behind)."""
-    for root, _, _ in os.walk(folder):
-        try:
-            os.chmod(root, 0o700)
-        except OSError:
-            pass
-    shutil.rmtree(folder, ignore_errors=True)
+    remove_tree(folder)
 
 
 def _others_can_read(path: str) -> bool:
