@@ -88,10 +88,7 @@ class Conversation:
         if mode == "messages":
             for agent in self.agents:
                 if not agent.use_chat_template:
-                    raise ConfigError("external.history", f"messages needs a chat template, and agent {agent.index}'s "
-                                                          f"model ({agent.model_path}) has none or "
-                                                          "model.chat_template=never; use "
-                                                          "external.history=continuation")
+                    raise no_chat_template(agent.index, agent.model_path)
                 self.templates[agent.index] = turn_template(agent)
 
     def extend(self, agent: int, continuation: Sequence[int], completion: Completion, feedback: str,
@@ -143,6 +140,11 @@ class Conversation:
                 f"turn by turn, differs from the full render of its chat at character {at}: "
                 f"{built[max(0, at - 30):at + 30]!r} vs {full[max(0, at - 30):at + 30]!r}; "
                 "use encoding_check=ignore_strippable (or off) if the template strips parts of earlier replies")
+
+
+def no_chat_template(agent: int, path: str) -> ConfigError:
+    return ConfigError("external.history", f"messages needs a chat template, and agent {agent}'s model ({path}) "
+                                           "has none or model.chat_template=never; use external.history=continuation")
 
 
 def conversation_of(external_cfg, agents: Sequence[Agent]) -> Conversation | None:

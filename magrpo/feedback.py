@@ -42,8 +42,8 @@ class Branch:
 
 
 # The call's own arguments: a problem field or context key of one of these names is not passed again.
-CALL_ARGUMENTS = frozenset({"prompt", "agent_completions", "num_agents", "prompt_history_per_agent",
-                            "response_history_per_agent"})
+CALL_ORDER = ("prompt", "agent_completions", "num_agents", "prompt_history_per_agent", "response_history_per_agent")
+CALL_ARGUMENTS = frozenset(CALL_ORDER)
 
 
 def feedback_context(branch: Branch, options: Mapping[str, Any]) -> dict[str, Any]:
@@ -228,6 +228,35 @@ class Feedback:
         if self.mode is not None:
             with user_code(lambda e: raised(self.name, self.mode.check, "at start-up", e)):
                 self.mode.check()
+        else:
+            self.check_signature()
+
+    def check_signature(self) -> None:
+        """A function that cannot take the call stops here, not at the first turn after the model loaded:
+        each of the call's own arguments by keyword, and every required parameter given by the call or a
+        context key the env declares (its context_keys; unchecked when it declares none) or a problem field."""
+        try:
+            params = inspect.signature(self.fn).parameters
+        except (TypeError, ValueError):  # a builtin or C callable: nothing to read
+            return
+        takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+        declared = set(getattr(self.env, "context_keys", ()))
+        problems = self.env.problems("train")  # loaded (and cached) by prepare already
+        given = {*CALL_ARGUMENTS, "options", "completion_info", *declared, *(problems[0] if problems else ())}
+        wrong = next((f"it does not take the argument {a!r}" for a in sorted(CALL_ARGUMENTS)
+                      if a not in params and not takes_all), None)
+        for p in params.values():
+            if wrong:
+                break
+            if p.kind is inspect.Parameter.POSITIONAL_ONLY and p.default is inspect.Parameter.empty:
+                wrong = f"its parameter {p.name!r} is positional-only (every argument is passed by keyword)"
+            elif p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY) \
+                    and p.default is inspect.Parameter.empty and p.name not in given and declared:
+                wrong = (f"it needs {p.name!r}, which neither the call nor the context gives (env "
+                         f"{type(self.env).__name__}'s context: {', '.join(sorted(declared))}); give it a default")
+        if wrong:
+            raise ConfigError("external.mode", f"feedback function {self.name!r} ({qualified_name(self.fn)}) cannot "
+                                               f"be called as fn({', '.join(CALL_ORDER)}, **context): {wrong}")
 
     def __call__(self, branches: list[Branch]) -> list[list[str]]:
         for branch in branches:

@@ -89,6 +89,9 @@ def prepare(
     checked = Feedback(cfg.external, env, feedback, max_prompt_chars=cfg.limits.max_prompt_chars,
                        timeout_s=cfg.limits.user_code_timeout_s)
     checked.check()
+    from .models import check_chat_templates
+
+    check_chat_templates(cfg, env.num_agents)  # read from the tokenizers' files: no model loads for it
     return env, checked
 
 
