@@ -179,7 +179,7 @@ def _train(cfg: TrainConfig, env: Environment, feedback: Feedback, world: World,
     trainer = cfg.trainer
     with run:
         if cfg.eval.at_start and run.first_step == 1:
-            run.log(0, {**run.evaluate(0), **run.own_metrics(feedback.metrics(), run.backend.metrics())})
+            run.log(0, run.evaluate(0))
         for step in range(run.first_step, trainer.steps + 1):
             rollout, collected = run.collect(step)                      # expand this rank's trees
             assign_advantages(rollout.nodes, run.advantage_settings)
@@ -310,11 +310,11 @@ class Run:
         parts = world.gather({"rollout": portable(rollout, collected["offset"]) if world.size > 1 else rollout,
                               "tokens": Counter(collected["tokens"]),
                               "mem": Maximum(peak_memory_gb(backend_device(self.agents)))})
-        own = self.own_metrics(self.env.metrics(), collected["backend_metrics"])
+        # The rollout's own numbers, read before evaluation: what evaluation counts goes in its eval/* keys
+        own = self.own_metrics(self.env.metrics(), collected["backend_metrics"], self.feedback.metrics())
         e = self.cfg.eval
         evaluating = (e.every and step % e.every == 0) or (e.at_end and step == self.cfg.trainer.steps)
         eval_metrics = self.evaluate(step) if evaluating else {}
-        own.update(self.own_metrics(self.feedback.metrics()))  # after evaluation: its expert calls count too
         if not world.is_main:
             return {}, None
         whole, metrics = _whole_batch_metrics(parts, agent_stats, self.cfg.trainer.num_turns)
@@ -333,6 +333,10 @@ class Run:
                        on_reward_error=self.cfg.reward.on_error, stop_on_truncation=trainer.stop_on_truncation,
                        conversation=self.conversation, stop_strings=self.tree.stop,
                        user_code_timeout_s=self.tree.user_code_timeout_s)
+        # What evaluation counted (the backend's tool calls, the feedback's expert requests: numbers reset on
+        # read) is evaluation's own record, never carried into the next step's, which a resume would not repeat.
+        counted = self.own_metrics(self.backend.metrics(), self.feedback.metrics())
+        out.update({f"eval/{key}": value for key, value in counted.items()})
         if self.world.is_main:
             last = trainer.num_turns - 1
             summary = ", ".join(
