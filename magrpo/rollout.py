@@ -203,9 +203,10 @@ class TreeExpander:
 
     def __init__(self, problems: Sequence[Mapping[str, Any]], env: Environment, backend: GenerationBackend,
                  feedback: Callable[[list[Branch]], list[list[str]]], tree: TreeSettings, sampling: SamplingParams,
-                 seed: int | None = None, tree_offset: int = 0, conversation: Conversation | None = None):
+                 seed: int | None = None, tree_offset: int = 0, conversation: Conversation | None = None,
+                 on_turn: Callable[[int], None] | None = None):
         self.problems, self.env, self.backend, self.feedback = problems, env, backend, feedback
-        self.conversation = conversation
+        self.conversation, self.on_turn = conversation, on_turn
         self.tree, self.sampling, self.seed, self.tree_offset = tree, sampling, seed, tree_offset
         self.n, self.k = env.num_agents, tree.num_generations
         self.joint = joint_actions(tree.joint_mode, self.k, self.n)
@@ -225,6 +226,8 @@ class TreeExpander:
                     branchings = [self.branch(level, 0, turn, scores)]               # phase 4
                 self.rollout.terminated_per_turn.append(sum(b.terminated for b in branchings))
                 level = self.grow(level, first_id, turn, branchings)                 # phase 5
+                if self.on_turn is not None:  # progress: a step or an evaluation can take minutes
+                    self.on_turn(turn)
                 if not level:
                     break
         return self.rollout
@@ -429,16 +432,18 @@ def expand_trees(
     seed: int | None = None,
     tree_offset: int = 0,
     conversation: Conversation | None = None,
+    on_turn: Callable[[int], None] | None = None,
 ) -> Rollout:
     """One step's trees for `problems` (TreeExpander). `feedback(branches) -> next-turn prompts per
-    branch` (a magrpo.feedback.Feedback).
+    branch` (a magrpo.feedback.Feedback); `on_turn(turn)` after each turn (progress).
 
     With a `seed`, every node's samples come from random streams keyed by (seed, tree_offset + tree
     index, path of joint actions from the root, agent, sample): a tree draws the same random numbers
     whatever else is in the batch, e.g. when a data-parallel run gives this process the trees from
     `tree_offset` on (its tokens can still differ at a near tie where the batch rounds its logits
     otherwise: docs/long-runs.md, Reproducibility)."""
-    return TreeExpander(problems, env, backend, feedback, tree, sampling, seed, tree_offset, conversation).run()
+    return TreeExpander(problems, env, backend, feedback, tree, sampling, seed, tree_offset, conversation,
+                        on_turn).run()
 
 
 def portable(rollout: Rollout, tree_offset: int) -> Rollout:

@@ -224,6 +224,7 @@ class Run:
         if state:  # the engine (vllm) still serves the adapters it started with, not the checkpoint's
             self.backend.sync_weights()
         self.first_step, self.env_step = (state["step"] + 1, state["env_step"]) if state else (1, 0)
+        self.step = self.first_step  # the step being trained (progress lines)
         if world.is_main:  # only now, with a matching checkpoint loaded (or none to match), is the run dir touched
             checkpoint.claim_run_dir(self.dir, state["step"] if state else None,
                                      LOGS if cfg.logging.rollouts else LOGS[:1])
@@ -271,15 +272,25 @@ class Run:
         """This rank's trees of the step (sampling keyed by the global tree index, so any number of
         processes samples the same trees), and what the step's metrics need from before the update."""
         trainer, world = self.cfg.trainer, self.world
+        self.step = step
         start, tokens_before = time.perf_counter(), self.backend.generated_tokens
         problems = self.sampler.next(trainer.batch_size)
         lo, hi = world.shard(len(problems))
         rollout = oom_retry(lambda: expand_trees(problems[lo:hi], self.env, self.backend, self.feedback, self.tree,
                                                  self.sampling, seed=stream_key(trainer.seed, step, TRAIN_STREAM),
-                                                 tree_offset=lo, conversation=self.conversation),
+                                                 tree_offset=lo, conversation=self.conversation,
+                                                 on_turn=self.turn_done),
                             self.backend.halve_batch, self.backend.batch_setting)
         return rollout, {"start": start, "tokens": self.backend.generated_tokens - tokens_before, "offset": lo,
                          "backend_metrics": self.backend.metrics()}  # this rollout's numbers, before eval adds its own
+
+    def turn_done(self, turn: int) -> None:
+        self.stopping(f"turn {turn + 1}/{self.cfg.trainer.num_turns} done; then the update and a checkpoint")
+
+    def stopping(self, done: str) -> None:
+        """After a stop signal, what the step it waits for has done (a step can take minutes)."""
+        if self.stop.signal is not None and self.world.is_main:
+            self.bar.write(f"magrpo: {self.stop.signal.name}: step {self.step}: {done}", file=sys.stderr)
 
     def update(self, rollout: Rollout) -> tuple[list[dict[str, float]], float]:
         """One optimizer step per agent on its own completions; the adapters then reach the generator."""
@@ -294,6 +305,7 @@ class Run:
             step = partial(self._agent_step, updater, samples, counts)
             agent_stats.append(oom_retry(step, self.micro_batch.halve, self.micro_batch.setting))
         self.backend.sync_weights()  # adapters reach the generator (vllm: new version, checked by the guard)
+        self.stopping("update done; writing a checkpoint")
         return agent_stats, time.perf_counter() - start
 
     def _agent_step(self, updater: AgentUpdater, samples: list[TrainSample], counts: tuple) -> dict[str, float]:
@@ -332,7 +344,7 @@ class Run:
                        early_termination_threshold=trainer.early_termination_threshold,
                        on_reward_error=self.cfg.reward.on_error, stop_on_truncation=trainer.stop_on_truncation,
                        conversation=self.conversation, stop_strings=self.tree.stop,
-                       user_code_timeout_s=self.tree.user_code_timeout_s)
+                       user_code_timeout_s=self.tree.user_code_timeout_s, progress=self.eval_progress(step))
         # What evaluation counted (the backend's tool calls, the feedback's expert requests: numbers reset on
         # read) is evaluation's own record, never carried into the next step's, which a resume would not repeat.
         counted = self.own_metrics(self.backend.metrics(), self.feedback.metrics())
@@ -348,6 +360,17 @@ class Run:
             bar.write(f"magrpo: eval turn_{last} (last turn): {summary} ({out['perf/eval_s']:.0f} s)",
                       file=sys.stderr)
         return out
+
+    def eval_progress(self, step: int):
+        """A line per turn of the greedy and the sampled paths (rank 0's share): an evaluation can take minutes."""
+        start, turns = time.perf_counter(), self.cfg.trainer.num_turns
+
+        def line(paths: str, turn: int) -> None:
+            if self.world.is_main:
+                self.bar.write(f"magrpo: eval (step {step}): {paths} paths, turn {turn + 1}/{turns} done "
+                               f"({time.perf_counter() - start:.0f} s)", file=sys.stderr)
+
+        return line
 
     def own_metrics(self, *parts: dict[str, float]) -> dict[str, float]:
         """The env's, feedback's and backend's own numbers, merged over ranks by kind (rank 0)."""

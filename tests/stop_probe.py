@@ -4,6 +4,7 @@ the test signals a run that is certainly inside it."""
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -31,6 +32,16 @@ def hang(prompt, agent_completions, num_agents, prompt_history_per_agent, respon
         _entered("entered")
         while not RELEASE.wait(3600):
             pass
+    return [f"{prompt} again, agent {i}" for i in range(num_agents)]
+
+
+def signals(prompt, agent_completions, num_agents, prompt_history_per_agent, response_history_per_agent):
+    """A feedback function that sends its own process SIGTERM at its first call (in-process tests)."""
+    with _count:
+        CALLS["n"] += 1
+        first = CALLS["n"] == 1
+    if first:
+        os.kill(os.getpid(), signal.SIGTERM)
     return [f"{prompt} again, agent {i}" for i in range(num_agents)]
 
 

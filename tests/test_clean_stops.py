@@ -122,3 +122,27 @@ def test_sigterm_during_start_up_is_one_line_and_leaves_nothing(tmp_path, stage)
     assert err.strip().splitlines()[-1] == ("stopped: SIGTERM during start-up, before the first step: nothing "
                                             "trained, the run dir it made is removed"), err
     assert not (tmp_path / "run").exists()
+
+
+def test_an_evaluation_says_how_far_it_got(tmp_path, capsys):
+    """An evaluation printed one line before and one after: minutes of silence on a big eval split."""
+    code = main([*SMALL, "logging.progress=true", f"logging.run_dir={tmp_path / 'run'}", "trainer.steps=1"])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    for paths in ("greedy", "sampled"):
+        for turn in (1, 2):
+            assert f"magrpo: eval (step 1): {paths} paths, turn {turn}/2 done (" in err, err
+
+
+def test_a_stop_says_how_far_the_step_it_waits_for_got(tmp_path, capsys, monkeypatch):
+    """After `finishing this step`, nothing was said until the checkpoint: a step can take minutes."""
+    monkeypatch.setitem(stop_probe.CALLS, "n", 0)
+    code = main([*SMALL, "logging.progress=true", f"logging.run_dir={tmp_path / 'run'}", "trainer.steps=2",
+                 "eval.at_end=false", "external.mode=tests.stop_probe:signals"])
+    err = capsys.readouterr().err
+    assert code == 143, err
+    lines = [line.strip() for line in err.replace("\r", "\n").splitlines() if line.startswith("magrpo: SIGTERM")]
+    assert lines == ["magrpo: SIGTERM: finishing this step, then writing a checkpoint",
+                     "magrpo: SIGTERM: step 1: turn 1/2 done; then the update and a checkpoint",
+                     "magrpo: SIGTERM: step 1: turn 2/2 done; then the update and a checkpoint",
+                     "magrpo: SIGTERM: step 1: update done; writing a checkpoint"], err
