@@ -24,8 +24,6 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from magrpo.paths import owned_folder, remove_tree, sweep
-
 from . import syscalls
 
 HERE = Path(__file__).resolve().parent
@@ -64,10 +62,13 @@ def private_copy(prefix: str, names: tuple[str, ...], python: str, mode: int) ->
     """A fresh folder holding only `names` from this package, byte-compiled by `python`, removed at exit.
     The judge imports from such a folder (nothing else of the checkout is on its path); the candidate's
     folder is what bwrap mounts at SANDBOX_LIB."""
-    # Named by its owner's pid and held by an flock: a run killed by SIGKILL leaves it to the next one to sweep.
-    sweep(tempfile.gettempdir(), prefix)
-    folder, _ = owned_folder(tempfile.gettempdir(), prefix)  # the flock lasts as long as this process
-    folder = str(folder)
+    try:  # in a run: named by its owner's pid, held by an flock; a SIGKILLed run's is swept by the next
+        from magrpo.paths import owned_folder, sweep
+    except ImportError:  # these modules alone (tests/hostile.py as `nobody`, with a Python without magrpo)
+        folder = tempfile.mkdtemp(prefix=prefix)
+    else:
+        sweep(tempfile.gettempdir(), prefix)
+        folder = str(owned_folder(tempfile.gettempdir(), prefix)[0])  # the flock lasts as long as this process
     for name in names:
         shutil.copy2(HERE / name, folder)
     subprocess.run([python, "-I", "-S", "-m", "compileall", "-q", folder], check=True,
@@ -83,7 +84,12 @@ def private_copy(prefix: str, names: tuple[str, ...], python: str, mode: int) ->
 def remove(folder: str) -> None:
     """Remove a private copy, write bits first: its folders are read-only (the judge's 0500), which root
     ignores but an unprivileged owner does not (rmtree then left every /tmp/magrpo-judge-* behind)."""
-    remove_tree(folder)
+    for root, _, _ in os.walk(folder):
+        try:
+            os.chmod(root, 0o700)
+        except OSError:
+            pass
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def _others_can_read(path: str) -> bool:
