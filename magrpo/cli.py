@@ -15,7 +15,8 @@ from typing import Any, Mapping, Sequence
 
 from . import plugins
 from .config import TrainConfig
-from .errors import ConfigError, Interrupted, MagrpoError, Stopped
+from .console import Interrupted
+from .errors import ConfigError, MagrpoError, Stopped
 from .registry import ENV_HINT, FEEDBACK_HINT
 
 # Installed, the YAML files ship inside the package (pyproject.toml); in a checkout they sit at its top.

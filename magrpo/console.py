@@ -8,8 +8,6 @@ import sys
 import threading
 import time
 
-from .errors import Interrupted
-
 
 def startup_line(cfg, num_agents: int, processes: int, step_size: tuple[int, int], run_dir,
                  dtype: tuple[str, str]) -> str:
@@ -52,6 +50,15 @@ def progress_bar(total: int, enabled: bool, initial: int = 0):
     from tqdm import tqdm
 
     return tqdm(total=total, initial=initial, desc="magrpo", unit="step", dynamic_ncols=True)
+
+
+class Interrupted(KeyboardInterrupt):
+    """A stop signal while the run starts (before its first step): raised at once in the main thread. A
+    KeyboardInterrupt, so that no `except Exception` of a library that is loading a model swallows it."""
+
+    def __init__(self, signum: int, message: str = ""):
+        self.signum, self.exit_code = int(signum), 128 + int(signum)
+        super().__init__(message or f"{signal.Signals(signum).name} during start-up, before the first step")
 
 
 class StopSignals:

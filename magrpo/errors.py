@@ -10,7 +10,6 @@ This module imports nothing from magrpo: every other module may import it."""
 from __future__ import annotations
 
 import re
-import signal
 import threading
 import time
 import traceback
@@ -51,15 +50,6 @@ class Stopped(MagrpoError):
     def __init__(self, signum: int, message: str):
         super().__init__(message)
         self.exit_code = 128 + signum
-
-
-class Interrupted(KeyboardInterrupt):
-    """A stop signal while the run starts (before its first step): raised at once in the main thread. A
-    KeyboardInterrupt, so that no `except Exception` of a library that is loading a model swallows it."""
-
-    def __init__(self, signum: int, message: str = ""):
-        self.signum, self.exit_code = int(signum), 128 + int(signum)
-        super().__init__(message or f"{signal.Signals(signum).name} during start-up, before the first step")
 
 
 class EnvError(MagrpoError, RuntimeError):

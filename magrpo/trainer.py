@@ -18,10 +18,10 @@ from . import checkpoint, run_lock
 from .advantage import AdvantageSettings, assign_advantages
 from .backends import make_backend
 from .config import LimitsConfig, TrainConfig, check_finite
-from .console import StopSignals, progress_bar, startup_line, summary_line
+from .console import Interrupted, StopSignals, progress_bar, startup_line, summary_line
 from .distributed import World, world_from_env
 from .env import Environment, call_env, check_problem_prompts, check_prompt_sizes, make_env
-from .errors import ConfigError, Interrupted, Stopped, TrainingError, log_traceback
+from .errors import ConfigError, Stopped, TrainingError, log_traceback
 from .evaluation import evaluate
 from .feedback import Feedback, FeedbackTarget, mode_for
 from .generation import SamplingParams

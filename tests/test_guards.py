@@ -167,8 +167,7 @@ def test_a_signal_during_start_up_stops_at_once():
     """Before the run is ready (models loading) there is no step to finish: the signal stops it now."""
     import signal
 
-    from magrpo.console import StopSignals
-    from magrpo.errors import Interrupted
+    from magrpo.console import Interrupted, StopSignals
 
     with StopSignals():
         with pytest.raises(Interrupted, match="^SIGTERM during start-up, before the first step$") as stopped:
