@@ -15,6 +15,7 @@ from typing import Any, Mapping, Sequence
 
 from . import plugins
 from .config import TrainConfig
+from .console import Interrupted
 from .errors import ConfigError, MagrpoError, Stopped
 from .registry import ENV_HINT, FEEDBACK_HINT
 
@@ -259,8 +260,36 @@ def _one_line(e: Exception, env_name, config_dir: Path | None, config_name: str)
                 and not (inner == listed.group(1) or inner.startswith(listed.group(1) + ".")):
             names = ", ".join(f.name for f in dataclasses.fields(element))
             return ConfigError(f"{listed.group(1)}[i].{inner}", f"unknown key; allowed: {names}")
+        merging = re.search(r"Error merging override (([^=]+)=.*)", str(e), re.S)
+        if merging and dataclasses.is_dataclass(element):
+            # a mapping where a list belongs in an entry of a list of dataclasses, or the reverse:
+            # omegaconf names no key (`tools.mcp=[{env: [A=1]}]`)
+            wrong = _wrong_kind(merging.group(2).lstrip("+"), plugins.parse_value(merging.group(1)), element)
+            if wrong:
+                return wrong
         return _from_omegaconf(cause, env_name)
     return _from_hydra(e, env_name, config_dir, config_name)
+
+
+def _wrong_kind(key: str, value: Any, element: type) -> ConfigError | None:
+    """The first field of an entry of list `key` (entries of dataclass `element`) given a list or a
+    mapping where its type takes none, or a single value where it takes only a list or a mapping."""
+    import types
+    import typing
+
+    hints = typing.get_type_hints(element)
+    shapes = {dict: "a mapping, e.g. {NAME: VALUE}", list: "a list, e.g. [a, b]"}
+    for i, entry in enumerate(value if isinstance(value, list) else []):
+        for name, given in (entry.items() if isinstance(entry, dict) else []):
+            hint = hints.get(name)
+            union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+            kinds = {typing.get_origin(a) or a for a in (typing.get_args(hint) if union else (hint,))} - {type(None)}
+            shape = dict if isinstance(given, dict) else list if isinstance(given, list) else None
+            if not kinds or (shape in kinds if shape else not kinds <= set(shapes)):
+                continue
+            want = " or ".join(shapes.get(k, getattr(k, "__name__", str(k))) for k in kinds)
+            return ConfigError(f"{key}[{i}].{name}", f"must be {want}; got {type(given).__name__} {given!r}")
+    return None
 
 
 # Config keys whose value is a free-form mapping: a new entry is added the Hydra way, with a leading +.
@@ -386,7 +415,9 @@ def guarded(fn) -> tuple[int, str]:
         MagrpoError
     ) as e:  # ours: bad input (exit 2; a hub id that cannot be fetched is found only while loading) or a stop (1)
         return report("config error" if isinstance(e, ConfigError) else "error", e, e.exit_code)
-    except KeyboardInterrupt as e:  # a second signal (or Ctrl-C during start-up)
+    except Interrupted as e:  # a signal while the run started: it stopped at once, its debris removed
+        return report("stopped", e, e.exit_code, str(e))
+    except KeyboardInterrupt as e:  # Ctrl-C before the run's handlers are installed (composing the config)
         return report("stopped", e, 130, "interrupted; resume=auto continues from the last complete checkpoint, if any")
     except Exception as e:  # noqa: BLE001  (user code and everything else: one line, traceback kept)
         return report("error", e, 1)

@@ -1,7 +1,8 @@
 """What a run prints: the progress bar, the compact metrics line, and stop signals (SIGTERM/SIGINT
-finish the current step and write a checkpoint)."""
+stop a run that is starting at once, and finish the current step and write a checkpoint once it runs)."""
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -51,27 +52,61 @@ def progress_bar(total: int, enabled: bool, initial: int = 0):
     return tqdm(total=total, initial=initial, desc="magrpo", unit="step", dynamic_ncols=True)
 
 
+class Interrupted(KeyboardInterrupt):
+    """A stop signal while the run starts (before its first step): raised at once in the main thread. A
+    KeyboardInterrupt, so that no `except Exception` of a library that is loading a model swallows it."""
+
+    def __init__(self, signum: int, message: str = ""):
+        self.signum, self.exit_code = int(signum), 128 + int(signum)
+        super().__init__(message or f"{signal.Signals(signum).name} during start-up, before the first step")
+
+
 class StopSignals:
-    """SIGTERM/SIGINT end the run after the current step, with a checkpoint (a second one stops now)."""
+    """SIGTERM/SIGINT from the first line of start-up to the run's end. While the run starts (models
+    load or build, the resume is decided) a signal stops it at once: `Interrupted` is raised in the
+    main thread, and what the run made is cleaned up on the way out. Once the run is `ready()`, a
+    signal ends it after the current step, with a checkpoint. Either way a second signal (more than
+    REPEAT_S later) ends the process at once, whatever user code is doing (a hung feedback function
+    included): one line and 128 + its number, as a shell reports a process that signal ended."""
 
     REPEAT_S = 2.0  # Ctrl-C under torchrun arrives twice at once: from the terminal and forwarded by torchrun
 
     def __init__(self):
         self.signal: signal.Signals | None = None
         self.since = 0.0
+        self.starting = True
         self.previous = {}
         if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread
             for sig in (signal.SIGTERM, signal.SIGINT):
                 self.previous[sig] = signal.signal(sig, self._handle)
 
+    def ready(self) -> None:
+        """Start-up is over: from now on a signal finishes the step first."""
+        self.starting = False
+
     def _handle(self, signum, frame) -> None:
+        sig = signal.Signals(signum)
         if self.signal is not None:
             if time.monotonic() - self.since < self.REPEAT_S:
                 return
-            raise KeyboardInterrupt
-        self.signal, self.since = signal.Signals(signum), time.monotonic()
-        print(f"\nmagrpo: {self.signal.name}: finishing this step, then writing a checkpoint", file=sys.stderr)
+            # os.write and os._exit: no buffered stream that the interrupted code may be writing, no
+            # thread to join (a feedback pool's workers stuck in user code), no atexit hook that waits
+            line = (f"\nstopped: {sig.name} again: stopped at once, without a checkpoint; resume=auto continues from "
+                    f"the last complete checkpoint, if any\n")
+            os.write(sys.stderr.fileno(), line.encode())
+            os._exit(128 + signum)
+        self.signal, self.since = sig, time.monotonic()
+        if self.starting:
+            raise Interrupted(sig)
+        print(f"\nmagrpo: {sig.name}: finishing this step, then writing a checkpoint", file=sys.stderr)
 
     def restore(self) -> None:
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
+        self.previous = {}
+
+    def __enter__(self) -> "StopSignals":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.restore()

@@ -88,10 +88,7 @@ class Conversation:
         if mode == "messages":
             for agent in self.agents:
                 if not agent.use_chat_template:
-                    raise ConfigError("external.history", f"messages needs a chat template, and agent {agent.index}'s "
-                                                          f"model ({agent.model_path}) has none or "
-                                                          "model.chat_template=never; use "
-                                                          "external.history=continuation")
+                    raise no_chat_template(agent.index, agent.model_path)
                 self.templates[agent.index] = turn_template(agent)
 
     def extend(self, agent: int, continuation: Sequence[int], completion: Completion, feedback: str,
@@ -173,6 +170,11 @@ def turn_messages(agent: Agent, completion: Completion) -> list[dict]:
     if messages[-1]["role"] == "tool":  # a result the turn ended on: the reply's message still closes
         messages.append({"role": "assistant", "content": ""})
     return messages
+
+
+def no_chat_template(agent: int, path: str) -> ConfigError:
+    return ConfigError("external.history", f"messages needs a chat template, and agent {agent}'s model ({path}) "
+                                           "has none or model.chat_template=never; use external.history=continuation")
 
 
 def conversation_of(external_cfg, agents: Sequence[Agent]) -> Conversation | None:

@@ -10,6 +10,7 @@ This module imports nothing from magrpo: every other module may import it."""
 from __future__ import annotations
 
 import re
+import threading
 import time
 import traceback
 from contextlib import contextmanager
@@ -63,6 +64,10 @@ class FeedbackError(MagrpoError, TypeError):
     """A feedback function broke its contract or raised."""
 
 
+class TimedOut(MagrpoError, TimeoutError):
+    """User code (a feedback function or mode, an env's scoring) ran past limits.user_code_timeout_s."""
+
+
 class SyncError(MagrpoError, RuntimeError):
     """The engine would generate (or generated) with adapter weights other than the trainer's."""
 
@@ -100,6 +105,30 @@ def user_code(error: Callable[[Exception], Exception], keep: tuple[type[Exceptio
         raise
     except Exception as e:
         raise error(e) from e
+
+
+def within(timeout_s: float, late: Callable[[], Exception], fn: Callable[..., Any], /, *args: Any,
+           **kwargs: Any) -> Any:
+    """fn(*args, **kwargs) given at most `timeout_s` seconds (0: no limit). Past it, `late()` is raised and fn is left
+    to itself in a daemon thread: neither the run's end nor the interpreter's exit waits for code that hangs."""
+    if not timeout_s:
+        return fn(*args, **kwargs)
+    done, out = threading.Event(), {}
+
+    def target() -> None:
+        try:
+            out["value"] = fn(*args, **kwargs)
+        except BaseException as e:  # noqa: BLE001  (handed to the caller's thread, raised there)
+            out["error"] = e
+        finally:
+            done.set()
+
+    threading.Thread(target=target, name=f"magrpo-user-code-{qualified_name(fn)}", daemon=True).start()
+    if not done.wait(timeout_s):
+        raise late()
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
 
 
 def log_traceback(run_dir: Path, error: BaseException) -> Path | None:

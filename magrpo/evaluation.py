@@ -36,7 +36,9 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 def run_paths(problems, env, backend, feedback, num_turns, sampling, seed: int | None = None,
               world: World | None = None, early_termination_threshold: float | None = None,
               on_reward_error: str = "raise", stop_on_truncation: bool = False,
-              conversation=None, stop_strings: StopStrings | None = None) -> dict[int, list[tuple[int, dict]]]:
+              conversation=None, stop_strings: StopStrings | None = None,
+              user_code_timeout_s: float = 0,
+              on_turn: Callable[[int], None] | None = None) -> dict[int, list[tuple[int, dict]]]:
     """turn -> [(problem index, outcomes)] for one K=1 path per problem, in problem order. With
     several processes each runs its share of the problems and rank 0 gets them all (others: {})."""
     world = world or World()  # one process
@@ -49,9 +51,9 @@ def run_paths(problems, env, backend, feedback, num_turns, sampling, seed: int |
                                 stop_on_truncation=stop_on_truncation, on_reward_error=on_reward_error,
                                 expand="all", resample_zero_std=0,
                                 cross_credit="mean", team_weight=1.0, overlap_chunks=1,
-                                stop=stop_strings or StopStrings())
+                                stop=stop_strings or StopStrings(), user_code_timeout_s=user_code_timeout_s)
         rollout = expand_trees(problems[start:stop], env, backend, feedback, settings, sampling,
-                               seed=seed, tree_offset=start, conversation=conversation)
+                               seed=seed, tree_offset=start, conversation=conversation, on_turn=on_turn)
         last: dict[int, tuple[int, dict]] = {}
         for node in rollout.nodes:  # K=1: one joint action per node, turns in order
             last[node.tree] = (node.turn, node.outcomes[0])
@@ -83,18 +85,27 @@ def evaluate(
     stop_on_truncation: bool = False,
     conversation=None,
     stop_strings: StopStrings | None = None,
+    user_code_timeout_s: float = 0,
+    progress: Callable[[str, int], None] | None = None,
 ) -> dict[str, float]:
     """Eval metrics (on rank 0 when several processes share the problems); `seed` keys the sampled
     paths' streams; paths stop early, score errors are handled, and each agent's stop strings end its
-    completions, as in training."""
+    completions, as in training. `progress(paths, turn)` after each turn of the greedy and the sampled
+    paths (this process's share)."""
     start = time.perf_counter()
     out: dict[str, float] = {}
     stop = dict(early_termination_threshold=early_termination_threshold, on_reward_error=on_reward_error,
-                stop_on_truncation=stop_on_truncation, conversation=conversation, stop_strings=stop_strings)
-    greedy = run_paths(problems, env, backend, feedback, num_turns, replace(sampling, greedy=True), world=world, **stop)
+                stop_on_truncation=stop_on_truncation, conversation=conversation, stop_strings=stop_strings,
+                user_code_timeout_s=user_code_timeout_s)
+    def reporting(paths: str) -> Callable[[int], None] | None:
+        return None if progress is None else lambda turn: progress(paths, turn)
+
+    greedy = run_paths(problems, env, backend, feedback, num_turns, replace(sampling, greedy=True), world=world,
+                       on_turn=reporting("greedy"), **stop)
     repeated = [p for p in problems for _ in range(num_samples)]
     sampled = (
-        run_paths(repeated, env, backend, feedback, num_turns, sampling, seed, world, **stop) if num_samples else {}
+        run_paths(repeated, env, backend, feedback, num_turns, sampling, seed, world, on_turn=reporting("sampled"),
+                  **stop) if num_samples else {}
     )
     for turn in sorted(greedy):
         for key in greedy[turn][0][1]:

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 from .env import CompletionInfo
-from .errors import ConfigError, FeedbackError, describe, qualified_name, user_code, valid_text
+from .errors import ConfigError, FeedbackError, TimedOut, describe, qualified_name, user_code, valid_text, within
 from .plugins import import_module
 from .registry import FEEDBACK_HINT, Registry
 
@@ -42,8 +42,8 @@ class Branch:
 
 
 # The call's own arguments: a problem field or context key of one of these names is not passed again.
-CALL_ARGUMENTS = frozenset({"prompt", "agent_completions", "num_agents", "prompt_history_per_agent",
-                            "response_history_per_agent"})
+CALL_ORDER = ("prompt", "agent_completions", "num_agents", "prompt_history_per_agent", "response_history_per_agent")
+CALL_ARGUMENTS = frozenset(CALL_ORDER)
 
 
 def feedback_context(branch: Branch, options: Mapping[str, Any]) -> dict[str, Any]:
@@ -121,12 +121,16 @@ def accepted(fn: Callable) -> Callable[[dict], dict]:
     return lambda context: {k: v for k, v in context.items() if k in names}
 
 
-def call_feedback(fn: FeedbackFn, name: str, branch: Branch, select: Callable[[dict], dict] | None = None) -> list[str]:
+def call_feedback(fn: FeedbackFn, name: str, branch: Branch, select: Callable[[dict], dict] | None = None,
+                  timeout_s: float = 0) -> list[str]:
+    """fn on one branch, given at most timeout_s seconds (limits.user_code_timeout_s; 0: no limit)."""
     num_agents = len(branch.agent_completions)
     select = select or accepted(fn)
-    with user_code(lambda e: raised(name, fn, f"at turn {turn_of([branch])}", e)):
+    when = f"at turn {turn_of([branch])}"
+    with user_code(lambda e: raised(name, fn, when, e), keep=(TimedOut,)):
         # Copies: the tree keeps these lists, and a function that edits its arguments must not corrupt it.
-        prompts = fn(
+        prompts = within(
+            timeout_s, lambda: timed_out(name, fn, when, timeout_s), fn,
             prompt=branch.prompt,
             agent_completions=list(branch.agent_completions),
             num_agents=num_agents,
@@ -145,6 +149,13 @@ def turn_of(branches: list[Branch]) -> int | str:
 def raised(name: str, fn: Any, when: str, error: Exception) -> FeedbackError:
     """The one-line error for a feedback function or mode that raised: its name, when, the error."""
     return FeedbackError(f"feedback function {name!r} ({qualified_name(fn)}) raised {when}: {describe(error)}")
+
+
+def timed_out(name: str, fn: Any, when: str, timeout_s: float) -> TimedOut:
+    """The one-line error for a feedback function or mode that ran past limits.user_code_timeout_s."""
+    return TimedOut(f"feedback function {name!r} ({qualified_name(fn)}) did not return within "
+                    f"limits.user_code_timeout_s={timeout_s:g} s {when}; make it faster or raise the limit (0 = none); "
+                    f"the run dir is resumable from its last checkpoint with resume=auto")
 
 
 def check_prompts(prompts: Any, num_agents: int, name: str, fn: Any = None) -> list[str]:
@@ -187,10 +198,11 @@ def options_of(external_cfg: Any) -> dict[str, Any]:
 class Feedback:
     """The configured mode, applied to every expanding branch of a turn in one call."""
 
-    def __init__(self, external_cfg: Any, env: Any, target: FeedbackTarget | None = None, max_prompt_chars: int = 0):
+    def __init__(self, external_cfg: Any, env: Any, target: FeedbackTarget | None = None, max_prompt_chars: int = 0,
+                 timeout_s: float = 0):
         """`target` overrides external_cfg.mode with a function or mode class (tests, notebooks);
-        `max_prompt_chars`: limits.max_prompt_chars (0: no limit)."""
-        self.max_prompt_chars = max_prompt_chars
+        `max_prompt_chars`: limits.max_prompt_chars, `timeout_s`: limits.user_code_timeout_s (0: no limit)."""
+        self.max_prompt_chars, self.timeout_s = max_prompt_chars, timeout_s
         self.name = mode_for(external_cfg.mode, env) if target is None else getattr(target, "__name__", "custom")
         self.max_concurrency = external_cfg.max_concurrency
         self.options = options_of(external_cfg)
@@ -216,14 +228,45 @@ class Feedback:
         if self.mode is not None:
             with user_code(lambda e: raised(self.name, self.mode.check, "at start-up", e)):
                 self.mode.check()
+        else:
+            self.check_signature()
+
+    def check_signature(self) -> None:
+        """A function that cannot take the call stops here, not at the first turn after the model loaded:
+        each of the call's own arguments by keyword, and every required parameter given by the call or a
+        context key the env declares (its context_keys; unchecked when it declares none) or a problem field."""
+        try:
+            params = inspect.signature(self.fn).parameters
+        except (TypeError, ValueError):  # a builtin or C callable: nothing to read
+            return
+        takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+        declared = set(getattr(self.env, "context_keys", ()))
+        problems = self.env.problems("train")  # loaded (and cached) by prepare already
+        given = {*CALL_ARGUMENTS, "options", "completion_info", *declared, *(problems[0] if problems else ())}
+        wrong = next((f"it does not take the argument {a!r}" for a in sorted(CALL_ARGUMENTS)
+                      if a not in params and not takes_all), None)
+        for p in params.values():
+            if wrong:
+                break
+            if p.kind is inspect.Parameter.POSITIONAL_ONLY and p.default is inspect.Parameter.empty:
+                wrong = f"its parameter {p.name!r} is positional-only (every argument is passed by keyword)"
+            elif p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY) \
+                    and p.default is inspect.Parameter.empty and p.name not in given and declared:
+                wrong = (f"it needs {p.name!r}, which neither the call nor the context gives (env "
+                         f"{type(self.env).__name__}'s context: {', '.join(sorted(declared))}); give it a default")
+        if wrong:
+            raise ConfigError("external.mode", f"feedback function {self.name!r} ({qualified_name(self.fn)}) cannot "
+                                               f"be called as fn({', '.join(CALL_ORDER)}, **context): {wrong}")
 
     def __call__(self, branches: list[Branch]) -> list[list[str]]:
         for branch in branches:
             branch.context = feedback_context(branch, self.options)
         if self.mode is not None:
-            failed = lambda e: raised(self.name, self.mode.batch, f"at turn {turn_of(branches)}", e)  # noqa: E731
-            with user_code(failed, keep=(FeedbackError,)):
-                out = self.mode.batch(branches)
+            when = f"at turn {turn_of(branches)}"
+            failed = lambda e: raised(self.name, self.mode.batch, when, e)  # noqa: E731
+            with user_code(failed, keep=(FeedbackError, TimedOut)):
+                out = within(self.timeout_s, lambda: timed_out(self.name, self.mode.batch, when, self.timeout_s),
+                             self.mode.batch, branches)
             if len(out) != len(branches):
                 raise FeedbackError(
                     f"feedback mode {self.name!r} returned {len(out)} prompt lists for {len(branches)} branches"
@@ -232,10 +275,11 @@ class Feedback:
                        for p, b in zip(out, branches)]
             return [self.sized(p, self.mode.batch) for p in prompts]
         if self.max_concurrency <= 1 or len(branches) <= 1:
-            prompts = [call_feedback(self.fn, self.name, b, self._select) for b in branches]
+            prompts = [call_feedback(self.fn, self.name, b, self._select, self.timeout_s) for b in branches]
         else:
             with ThreadPoolExecutor(max_workers=min(self.max_concurrency, len(branches))) as pool:
-                prompts = list(pool.map(lambda b: call_feedback(self.fn, self.name, b, self._select), branches))
+                prompts = list(pool.map(lambda b: call_feedback(self.fn, self.name, b, self._select, self.timeout_s),
+                                        branches))
         return [self.sized(p, self.fn) for p in prompts]
 
     def sized(self, prompts: list[str], fn: Any) -> list[str]:

@@ -233,6 +233,41 @@ def cache_only_for(path: str) -> bool:
     return not os.path.isdir(path) and not hub.offline() and not hub.reachable()
 
 
+def agent_model_names(cfg: TrainConfig, num_agents: int) -> list[tuple[str, str]]:
+    """Each agent's base model name and the key that names it (model.name or agents[i].model)."""
+    names = [cfg.agents[i].model if i < len(cfg.agents) and cfg.agents[i].model else cfg.model.name
+             for i in range(num_agents)]
+    return [(name, "model.name" if name == cfg.model.name else f"agents[{i}].model") for i, name in enumerate(names)]
+
+
+def check_chat_templates(cfg: TrainConfig, num_agents: int) -> None:
+    """external.history=messages: every agent's model has a chat template, read from its tokenizer's files
+    at start-up, before any model loads (a hub id not on this disk is left to the load, which checks it)."""
+    if cfg.external.history != "messages":
+        return
+    from .conversation import no_chat_template
+
+    for i, (name, key) in enumerate(agent_model_names(cfg, num_agents)):
+        path = name if cfg.model.chat_template == "never" else \
+            resolve_model_path(name, key, cfg.model.tiny_hidden_size, cfg.model.tiny_layers)
+        if cfg.model.chat_template == "never" or has_chat_template(Path(path)) is False:
+            raise no_chat_template(i, path)
+
+
+def has_chat_template(folder: Path) -> bool | None:
+    """Whether a local model folder's tokenizer has a chat template (None: not a local folder)."""
+    import json
+
+    if not folder.is_dir():
+        return None
+    if (folder / "chat_template.jinja").is_file() or (folder / "chat_template.json").is_file():
+        return True
+    try:
+        return bool(json.loads((folder / "tokenizer_config.json").read_text()).get("chat_template"))
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def load_agents(cfg: TrainConfig, num_agents: int) -> list[Agent]:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -250,15 +285,10 @@ def load_agents(cfg: TrainConfig, num_agents: int) -> list[Agent]:
             task_type="CAUSAL_LM",
         )
 
-    names = [
-        (cfg.agents[i].model if i < len(cfg.agents) and cfg.agents[i].model else cfg.model.name)
-        for i in range(num_agents)
-    ]
     shared: dict[str, tuple[torch.nn.Module, object, str]] = {}
     agents = []
-    for i, name in enumerate(names):
+    for i, (name, key) in enumerate(agent_model_names(cfg, num_agents)):
         if name not in shared:
-            key = "model.name" if name == cfg.model.name else f"agents[{i}].model"
             path = resolve_model_path(name, key, cfg.model.tiny_hidden_size, cfg.model.tiny_layers)
             cache_only = cache_only_for(path)
             try:

@@ -17,13 +17,14 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Mapping, Sequence
 
-from .errors import ConfigError
+from .errors import ConfigError, describe
 
 PLUGINS_VAR = "MAGRPO_PLUGINS"  # comma-separated modules, imported before those of `plugins=`
 
 
 def import_module(key: str, name: str) -> ModuleType:
-    """Import a user's module by dotted name; one that cannot be found is a ConfigError on `key`.
+    """Import a user's module by dotted name; one that cannot be found, or raises while it is imported
+    (a SyntaxError included), is a ConfigError on `key` (`plugins`, `external.mode`, ...).
     The current directory comes first on the path: `python train.py` puts only train.py's own
     folder there, yet a user's package usually sits where they run it."""
     cwd = os.getcwd()
@@ -33,6 +34,10 @@ def import_module(key: str, name: str) -> ModuleType:
         return importlib.import_module(name)
     except ImportError as e:
         raise ConfigError(key, f"cannot import module {name!r} ({e})") from None
+    except ConfigError:  # the module's own one-line error
+        raise
+    except Exception as e:
+        raise ConfigError(key, f"importing module {name!r} raised {describe(e)}") from e
 
 
 def requested(overrides: Sequence[str], environ: Mapping[str, str], config_file: Path | None = None) -> list[str]:
@@ -47,7 +52,7 @@ def requested(overrides: Sequence[str], environ: Mapping[str, str], config_file:
     for override in overrides:
         key, _, value = override.partition("=")
         if key.lstrip("+") == "plugins":
-            names += _as_list(_parse_value(override) if value else None)
+            names += _as_list(parse_value(override) if value else None)
     return list(dict.fromkeys(names))
 
 
@@ -57,7 +62,7 @@ def _as_list(value: Any) -> list[str]:
     return [str(v) for v in value] if isinstance(value, (list, tuple)) else [str(value)]
 
 
-def _parse_value(override: str) -> Any:
+def parse_value(override: str) -> Any:
     """The value of one override as Hydra reads it (`[a,b]` a list; `a,b` a sweep: every module of it)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.core.override_parser.types import ChoiceSweep

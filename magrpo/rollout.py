@@ -21,7 +21,7 @@ from .advantage import all_groups_flat, own_values
 from .backends import GenerationBackend
 from .conversation import first_chat
 from .env import CompletionInfo, Environment, Scored, call_env
-from .errors import RewardError, describe, qualified_name
+from .errors import RewardError, TimedOut, describe, qualified_name, within
 from .feedback import Branch, accepted
 from .generation import GenerationRequest, SamplingParams, StopStrings
 from .sampling import stream_key
@@ -48,6 +48,7 @@ class TreeSettings:
     team_weight: float  # with per-agent rewards: each agent's value = w x team + (1 - w) x its own
     overlap_chunks: int  # a turn's nodes in this many backend calls, scored while the next part generates
     stop: StopStrings  # each agent's stop strings (generation.stop, agents[i].stop): its requests carry them
+    user_code_timeout_s: float  # seconds the env's score of a turn may take (limits.user_code_timeout_s; 0: no limit)
 
     @classmethod
     def of(cls, cfg: Any) -> "TreeSettings":
@@ -59,7 +60,7 @@ class TreeSettings:
                    expand=trainer.expand,
                    resample_zero_std=trainer.resample_zero_std, cross_credit=trainer.cross_credit,
                    team_weight=cfg.reward.team_weight, overlap_chunks=cfg.generation.overlap_chunks,
-                   stop=StopStrings.of(cfg))
+                   stop=StopStrings.of(cfg), user_code_timeout_s=cfg.limits.user_code_timeout_s)
 
 
 EXPAND_DRAWS = 0x45585044  # a stream domain of its own for random:M (never a sampling stream's key)
@@ -67,28 +68,40 @@ RESAMPLE_DRAWS = 0x52534D50  # the same for the regenerated samples of dynamic s
 
 
 def score_guarded(
-    env: Environment, owners: list, texts: list, infos: list[list[CompletionInfo]], on_error: str, turn: int
+    env: Environment, owners: list, texts: list, infos: list[list[CompletionInfo]], on_error: str, turn: int,
+    timeout_s: float = 0,
 ) -> tuple[list[Scored], list[bool]]:
     """env.score over a whole turn; on failure, each joint action alone, to name (raise) or zero the bad ones.
-    `infos` (per joint action, per agent) reach a score() that takes a `completion_info` keyword."""
+    `infos` (per joint action, per agent) reach a score() that takes a `completion_info` keyword. A call that
+    runs past `timeout_s` (0: no limit) stops the run (TimedOut), whatever reward.on_error says."""
     takes = accepted(env.score)
+
+    def score(*args, **kwargs) -> list[Scored]:
+        late = lambda: TimedOut(  # noqa: E731
+            f"env {type(env).__name__} ({scoring_method(env)}) did not return within limits.user_code_timeout_s="
+            f"{timeout_s:g} s scoring turn {turn}; make it faster or raise the limit (0 = none); the run dir is "
+            f"resumable from its last checkpoint with resume=auto")
+        return within(timeout_s, late, env.score, *args, **kwargs)
+
     try:
-        scored = env.score(owners, texts, **takes({"completion_info": infos}))
+        scored = score(owners, texts, **takes({"completion_info": infos}))
         if all(bad_score(s, len(t)) is None for s, t in zip(scored, texts)):
             if len(scored) != len(texts):  # the env's bug, not one joint action's: no retry one by one
                 raise RewardError(f"env {type(env).__name__} ({scoring_method(env)}) returned {len(scored)} "
                                   f"score(s) for {len(texts)} joint actions of turn {turn}; return one per joint "
                                   f"action, in order")
             return scored, [False] * len(scored)
-    except RewardError:
+    except (RewardError, TimedOut):
         raise
     except Exception:  # noqa: BLE001  (any env error: find the joint action that caused it)
         pass
     out, failed = [], []
     for i, (owner, joint_texts) in enumerate(zip(owners, texts)):
         try:
-            (one,) = env.score([owner], [joint_texts], **takes({"completion_info": [infos[i]]}))
+            (one,) = score([owner], [joint_texts], **takes({"completion_info": [infos[i]]}))
             error = bad_score(one, len(joint_texts))
+        except TimedOut:
+            raise
         except Exception as e:  # noqa: BLE001
             error = describe(e)
         if error is not None and on_error == "raise":
@@ -191,9 +204,10 @@ class TreeExpander:
 
     def __init__(self, problems: Sequence[Mapping[str, Any]], env: Environment, backend: GenerationBackend,
                  feedback: Callable[[list[Branch]], list[list[str]]], tree: TreeSettings, sampling: SamplingParams,
-                 seed: int | None = None, tree_offset: int = 0, conversation: Conversation | None = None):
+                 seed: int | None = None, tree_offset: int = 0, conversation: Conversation | None = None,
+                 on_turn: Callable[[int], None] | None = None):
         self.problems, self.env, self.backend, self.feedback = problems, env, backend, feedback
-        self.conversation = conversation
+        self.conversation, self.on_turn = conversation, on_turn
         self.tree, self.sampling, self.seed, self.tree_offset = tree, sampling, seed, tree_offset
         self.n, self.k = env.num_agents, tree.num_generations
         self.joint = joint_actions(tree.joint_mode, self.k, self.n)
@@ -213,6 +227,8 @@ class TreeExpander:
                     branchings = [self.branch(level, 0, turn, scores)]               # phase 4
                 self.rollout.terminated_per_turn.append(sum(b.terminated for b in branchings))
                 level = self.grow(level, first_id, turn, branchings)                 # phase 5
+                if self.on_turn is not None:  # progress: a step or an evaluation can take minutes
+                    self.on_turn(turn)
                 if not level:
                     break
         return self.rollout
@@ -312,7 +328,8 @@ class TreeExpander:
                  for node in nodes for j in joint]
         infos = [self.completion_info(node, j) for node in nodes for j in range(len(joint))]
         owners = [self.problems[node.tree] for node in nodes for _ in joint]
-        scored, failed = score_guarded(self.env, owners, texts, infos, self.tree.on_reward_error, turn)
+        scored, failed = score_guarded(self.env, owners, texts, infos, self.tree.on_reward_error, turn,
+                                       self.tree.user_code_timeout_s)
         shape = (len(nodes), len(joint))
         rewards = np.asarray([s.reward for s in scored], dtype=np.float64).reshape(shape)
         own = None
@@ -430,16 +447,18 @@ def expand_trees(
     seed: int | None = None,
     tree_offset: int = 0,
     conversation: Conversation | None = None,
+    on_turn: Callable[[int], None] | None = None,
 ) -> Rollout:
     """One step's trees for `problems` (TreeExpander). `feedback(branches) -> next-turn prompts per
-    branch` (a magrpo.feedback.Feedback).
+    branch` (a magrpo.feedback.Feedback); `on_turn(turn)` after each turn (progress).
 
     With a `seed`, every node's samples come from random streams keyed by (seed, tree_offset + tree
     index, path of joint actions from the root, agent, sample): a tree draws the same random numbers
     whatever else is in the batch, e.g. when a data-parallel run gives this process the trees from
     `tree_offset` on (its tokens can still differ at a near tie where the batch rounds its logits
     otherwise: docs/long-runs.md, Reproducibility)."""
-    return TreeExpander(problems, env, backend, feedback, tree, sampling, seed, tree_offset, conversation).run()
+    return TreeExpander(problems, env, backend, feedback, tree, sampling, seed, tree_offset, conversation,
+                        on_turn).run()
 
 
 def portable(rollout: Rollout, tree_offset: int) -> Rollout:

@@ -14,13 +14,13 @@ import os
 import shutil
 import sys
 import sysconfig
-import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-from .paths import cache_root
+from .errors import ConfigError, FetchError, describe
+from .paths import CACHE_VAR, cache_root, damage, owned_folder, remove_tree, seal, sweep
 
 # Bump when the build recipe changes, so old cached folders are not reused.
 FORMAT_VERSION = 1
@@ -88,27 +88,68 @@ def tiny_model_path(spec: TinySpec = TinySpec(), cache_dir: str | Path | None = 
 
 
 def build_once(final: Path, build: Callable[[Path], None], what: str) -> Path:
-    """`final`, built by `build(folder)` unless it exists: built next to it and renamed into place, so
-    a folder with that name is always complete (a crash leaves none) and racing processes share one."""
-    if (final / "config.json").is_file():  # only complete folders ever get this name
+    """`final`, built by `build(folder)` unless it holds a complete entry: built next to it in a folder
+    this process owns (paths.owned_folder: swept by the next build when a killed one left it), sealed
+    with its files' sizes (paths.COMPLETE) and renamed into place, so racing processes share one. An
+    entry that is not complete (truncated weights, a file missing) is said and built again; a cache
+    that cannot be written is one line naming MAGRPO_CACHE and the folder."""
+    why = damage(final) if final.exists() else None
+    if final.exists() and why is None:
         return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    # Build next to the target (same filesystem) so the final rename is atomic.
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
+    with cache_writes(final, what):
+        final.parent.mkdir(parents=True, exist_ok=True)
+        for left in sweep(final.parent, ".", ".tmp"):
+            print(f"magrpo: removed {left}, left by a build that did not finish", file=sys.stderr)
+        # Build next to the target (same filesystem) so the final rename is atomic.
+        tmp, lock = owned_folder(final.parent, f".{final.name}.", ".tmp")
     try:
+        if why is not None:
+            print(f"magrpo: the cached {what} {final} is incomplete ({why}); building it again", file=sys.stderr)
         print(f"building {what} {final.name} (once, cached at {final})", file=sys.stderr)
         with _caller_random_state_kept():
-            build(tmp)
+            try:
+                build(tmp)
+            except Exception as e:
+                if why is None or isinstance(e, ConfigError):
+                    raise
+                raise FetchError(f"{CACHE_VAR}: the cached {what} {final} is incomplete ({why}) and could not be "
+                                 f"built again: {describe(e)}; delete {final}, or point {CACHE_VAR} at a cache "
+                                 f"holding a complete copy") from e
+        seal(tmp)
         os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            # Another process won the race: use its folder, drop ours (in `finally`).
-            if not (final / "config.json").is_file():
-                raise
+        with cache_writes(final, what):
+            if why is not None:
+                _discard(final)
+            try:
+                os.rename(tmp, final)
+            except OSError:
+                # Another process won the race: use its folder, drop ours (in `finally`).
+                if damage(final) is not None:
+                    raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # no-op after a successful rename
+        os.close(lock)
     return final
+
+
+def _discard(final: Path) -> None:
+    """Move a broken entry out of the way (renamed first: no half-deleted folder keeps its name)."""
+    doomed = final.with_name(f".{final.name}.{os.getpid()}-broken__.tmp")
+    if final.exists():
+        os.rename(final, doomed)
+    remove_tree(doomed)
+
+
+@contextmanager
+def cache_writes(final: Path, what: str) -> Iterator[None]:
+    """An OSError while writing the cache (read-only, a file where a folder belongs, a full disk) as
+    one line naming MAGRPO_CACHE and the folder."""
+    try:
+        yield
+    except OSError as e:
+        raise ConfigError(CACHE_VAR, f"cannot write the {what} to {final} ({type(e).__name__}: "
+                                     f"{e.strerror or e}); make {final.parent} writable, delete {final}, or "
+                                     f"point {CACHE_VAR} at a writable folder") from None
 
 
 @contextmanager

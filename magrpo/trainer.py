@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import random
+import shutil
 import signal
 import sys
 import time
@@ -17,7 +18,7 @@ from . import checkpoint, run_lock
 from .advantage import AdvantageSettings, assign_advantages
 from .backends import make_backend
 from .config import LimitsConfig, TrainConfig, check_finite
-from .console import StopSignals, progress_bar, startup_line, summary_line
+from .console import Interrupted, StopSignals, progress_bar, startup_line, summary_line
 from .distributed import World, world_from_env
 from .env import Environment, call_env, check_problem_prompts, check_prompt_sizes, make_env
 from .errors import ConfigError, Stopped, TrainingError, log_traceback
@@ -85,8 +86,12 @@ def prepare(
         _check_split(env, "eval", cfg.limits)
     check_tree_size(cfg, env.num_agents)
     cfg.external.mode = mode_for(cfg.external.mode, env)  # config.json records the mode that ran, not `auto`
-    checked = Feedback(cfg.external, env, feedback, max_prompt_chars=cfg.limits.max_prompt_chars)
+    checked = Feedback(cfg.external, env, feedback, max_prompt_chars=cfg.limits.max_prompt_chars,
+                       timeout_s=cfg.limits.user_code_timeout_s)
     checked.check()
+    from .models import check_chat_templates
+
+    check_chat_templates(cfg, env.num_agents)  # read from the tokenizers' files: no model loads for it
     return env, checked
 
 
@@ -120,23 +125,25 @@ TRAIN_STREAM, EVAL_STREAM = 0, 1
 def train(cfg: TrainConfig, env: Environment | None = None, feedback: FeedbackTarget | None = None) -> Path:
     """Check cfg (prepare) and train; returns the run dir. From Python, use `magrpo.train`: it also
     composes and type-checks the config the way the command line does."""
-    try:
-        env, feedback = prepare(cfg, env, feedback)
-        world = world_from_env(cfg.model.device, cfg.trainer.dist_timeout_min)
+    with StopSignals() as stop:  # from the first line: a signal while models load stops at once, cleanly
         try:
-            with owned_run_dir(cfg, world) as run_dir:
-                return _train(cfg, env, feedback, world, run_dir)
-        finally:
-            world.close()
-    finally:  # MCP servers start at validation: they end with the run, however it ends
-        release(cfg.tools)
+            env, feedback = prepare(cfg, env, feedback)
+            world = world_from_env(cfg.model.device, cfg.trainer.dist_timeout_min)
+            try:
+                with owned_run_dir(cfg, world) as run_dir:
+                    return _train(cfg, env, feedback, world, run_dir, stop)
+            finally:
+                world.close()
+        finally:  # MCP servers start at validation: they end with the run, however it ends
+            release(cfg.tools)
 
 
 @contextmanager
 def owned_run_dir(cfg: TrainConfig, world: World):
     """The run dir (made when new), locked by rank 0 for the whole run: a second writer stops here, before
     any model loads, with one line naming the holder. Every rank gets its path. A dir made here and
-    still empty at the end (the run stopped before writing anything) is removed."""
+    still empty at the end (the run stopped before writing anything) is removed, and so is one that a
+    signal during start-up stopped (it holds only the config and empty logs of a run that never began)."""
     held: list[run_lock.RunLock] = []
     made: list[Path] = []
 
@@ -146,23 +153,33 @@ def owned_run_dir(cfg: TrainConfig, world: World):
         held.append(run_lock.acquire(path))
         return str(path)
 
+    path = None
     try:
-        yield Path(checkpoint.on_main(world, take))
+        path = Path(checkpoint.on_main(world, take))
+        yield path
+    except Interrupted as e:
+        if made and not checkpoint.holds_checkpoints(made[0]):
+            shutil.rmtree(made[0], ignore_errors=True)
+            made.clear()
+            raise Interrupted(e.signum, f"{e}: nothing trained, the run dir it made is removed") from None
+        where = f"; resume=auto logging.run_dir={path} continues from its last checkpoint, if any" if path else ""
+        raise Interrupted(e.signum, f"{e}{where}") from None
     finally:
         for lock in held:
             lock.release()
-        for path in made:
+        for made_path in made:
             with suppress(OSError):  # not empty: the run wrote something
-                path.rmdir()
+                made_path.rmdir()
 
 
-def _train(cfg: TrainConfig, env: Environment, feedback: Feedback, world: World, run_dir: Path) -> Path:
+def _train(cfg: TrainConfig, env: Environment, feedback: Feedback, world: World, run_dir: Path,
+           stop: StopSignals) -> Path:
     """The loop of the README: collect -> advantages -> update -> log -> eval / checkpoint."""
-    run = Run(cfg, env, feedback, world, run_dir)
+    run = Run(cfg, env, feedback, world, run_dir, stop)
     trainer = cfg.trainer
     with run:
         if cfg.eval.at_start and run.first_step == 1:
-            run.log(0, {**run.evaluate(0), **run.own_metrics(feedback.metrics(), run.backend.metrics())})
+            run.log(0, run.evaluate(0))
         for step in range(run.first_step, trainer.steps + 1):
             rollout, collected = run.collect(step)                      # expand this rank's trees
             assign_advantages(rollout.nodes, run.advantage_settings)
@@ -186,7 +203,8 @@ class Run:
     after the resume decision; a context manager that closes what it opened (and keeps the
     traceback of an error in the run dir)."""
 
-    def __init__(self, cfg: TrainConfig, env: Environment, feedback: Feedback, world: World, run_dir: Path):
+    def __init__(self, cfg: TrainConfig, env: Environment, feedback: Feedback, world: World, run_dir: Path,
+                 stop: StopSignals):
         # Before any model loads: a resume that does not match its run stops here (rank 0 decides).
         chosen = checkpoint.on_main(world, lambda: checkpoint.choose(cfg.resume, str(run_dir), asdict(cfg)))
         seed_everything(cfg.trainer.seed)  # the same on every rank: identical initial adapters
@@ -206,6 +224,7 @@ class Run:
         if state:  # the engine (vllm) still serves the adapters it started with, not the checkpoint's
             self.backend.sync_weights()
         self.first_step, self.env_step = (state["step"] + 1, state["env_step"]) if state else (1, 0)
+        self.step = self.first_step  # the step being trained (progress lines)
         if world.is_main:  # only now, with a matching checkpoint loaded (or none to match), is the run dir touched
             checkpoint.claim_run_dir(self.dir, state["step"] if state else None,
                                      LOGS if cfg.logging.rollouts else LOGS[:1])
@@ -229,7 +248,8 @@ class Run:
                              model_dtype(cfg.model)), file=sys.stderr
             )
         self.bar = progress_bar(trainer.steps, cfg.logging.progress and world.is_main, initial=self.first_step - 1)
-        self.stop = StopSignals()
+        self.stop = stop
+        stop.ready()  # start-up is over: a signal now finishes the step and writes a checkpoint
 
     def __enter__(self) -> "Run":
         return self
@@ -242,7 +262,6 @@ class Run:
                 if log is not None:
                     error.add_note(f"traceback in {log}")
         finally:
-            self.stop.restore()
             self.bar.close()
             self.writer.close()
             self.backend.close()
@@ -253,15 +272,25 @@ class Run:
         """This rank's trees of the step (sampling keyed by the global tree index, so any number of
         processes samples the same trees), and what the step's metrics need from before the update."""
         trainer, world = self.cfg.trainer, self.world
+        self.step = step
         start, tokens_before = time.perf_counter(), self.backend.generated_tokens
         problems = self.sampler.next(trainer.batch_size)
         lo, hi = world.shard(len(problems))
         rollout = oom_retry(lambda: expand_trees(problems[lo:hi], self.env, self.backend, self.feedback, self.tree,
                                                  self.sampling, seed=stream_key(trainer.seed, step, TRAIN_STREAM),
-                                                 tree_offset=lo, conversation=self.conversation),
+                                                 tree_offset=lo, conversation=self.conversation,
+                                                 on_turn=self.turn_done),
                             self.backend.halve_batch, self.backend.batch_setting)
         return rollout, {"start": start, "tokens": self.backend.generated_tokens - tokens_before, "offset": lo,
                          "backend_metrics": self.backend.metrics()}  # this rollout's numbers, before eval adds its own
+
+    def turn_done(self, turn: int) -> None:
+        self.stopping(f"turn {turn + 1}/{self.cfg.trainer.num_turns} done; then the update and a checkpoint")
+
+    def stopping(self, done: str) -> None:
+        """After a stop signal, what the step it waits for has done (a step can take minutes)."""
+        if self.stop.signal is not None and self.world.is_main:
+            self.bar.write(f"magrpo: {self.stop.signal.name}: step {self.step}: {done}", file=sys.stderr)
 
     def update(self, rollout: Rollout) -> tuple[list[dict[str, float]], float]:
         """One optimizer step per agent on its own completions; the adapters then reach the generator."""
@@ -276,6 +305,7 @@ class Run:
             step = partial(self._agent_step, updater, samples, counts)
             agent_stats.append(oom_retry(step, self.micro_batch.halve, self.micro_batch.setting))
         self.backend.sync_weights()  # adapters reach the generator (vllm: new version, checked by the guard)
+        self.stopping("update done; writing a checkpoint")
         return agent_stats, time.perf_counter() - start
 
     def _agent_step(self, updater: AgentUpdater, samples: list[TrainSample], counts: tuple) -> dict[str, float]:
@@ -292,11 +322,11 @@ class Run:
         parts = world.gather({"rollout": portable(rollout, collected["offset"]) if world.size > 1 else rollout,
                               "tokens": Counter(collected["tokens"]),
                               "mem": Maximum(peak_memory_gb(backend_device(self.agents)))})
-        own = self.own_metrics(self.env.metrics(), collected["backend_metrics"])
+        # The rollout's own numbers, read before evaluation: what evaluation counts goes in its eval/* keys
+        own = self.own_metrics(self.env.metrics(), collected["backend_metrics"], self.feedback.metrics())
         e = self.cfg.eval
         evaluating = (e.every and step % e.every == 0) or (e.at_end and step == self.cfg.trainer.steps)
         eval_metrics = self.evaluate(step) if evaluating else {}
-        own.update(self.own_metrics(self.feedback.metrics()))  # after evaluation: its expert calls count too
         if not world.is_main:
             return {}, None
         tools = bool(self.cfg.tools.names or self.cfg.tools.mcp)
@@ -314,7 +344,12 @@ class Run:
                        self.cfg.eval.num_samples, seed=stream_key(trainer.seed, step, EVAL_STREAM), world=self.world,
                        early_termination_threshold=trainer.early_termination_threshold,
                        on_reward_error=self.cfg.reward.on_error, stop_on_truncation=trainer.stop_on_truncation,
-                       conversation=self.conversation, stop_strings=self.tree.stop)
+                       conversation=self.conversation, stop_strings=self.tree.stop,
+                       user_code_timeout_s=self.tree.user_code_timeout_s, progress=self.eval_progress(step))
+        # What evaluation counted (the backend's tool calls, the feedback's expert requests: numbers reset on
+        # read) is evaluation's own record, never carried into the next step's, which a resume would not repeat.
+        counted = self.own_metrics(self.backend.metrics(), self.feedback.metrics())
+        out.update({f"eval/{key}": value for key, value in counted.items()})
         if self.world.is_main:
             last = trainer.num_turns - 1
             summary = ", ".join(
@@ -326,6 +361,17 @@ class Run:
             bar.write(f"magrpo: eval turn_{last} (last turn): {summary} ({out['perf/eval_s']:.0f} s)",
                       file=sys.stderr)
         return out
+
+    def eval_progress(self, step: int):
+        """A line per turn of the greedy and the sampled paths (rank 0's share): an evaluation can take minutes."""
+        start, turns = time.perf_counter(), self.cfg.trainer.num_turns
+
+        def line(paths: str, turn: int) -> None:
+            if self.world.is_main:
+                self.bar.write(f"magrpo: eval (step {step}): {paths} paths, turn {turn + 1}/{turns} done "
+                               f"({time.perf_counter() - start:.0f} s)", file=sys.stderr)
+
+        return line
 
     def own_metrics(self, *parts: dict[str, float]) -> dict[str, float]:
         """The env's, feedback's and backend's own numbers, merged over ranks by kind (rank 0)."""

@@ -44,6 +44,7 @@ def validate(cfg: TrainConfig) -> None:
     at_least("trainer.max_bad_steps", trainer.max_bad_steps, 0)
     at_least("limits.max_problem_chars", cfg.limits.max_problem_chars, 0, "0 = no limit")
     at_least("limits.max_prompt_chars", cfg.limits.max_prompt_chars, 0, "0 = no limit")
+    at_least("limits.user_code_timeout_s", cfg.limits.user_code_timeout_s, 0, "0 = no limit")
     at_least("trainer.max_sequences_per_step", trainer.max_sequences_per_step, 0)
     choice("reward.on_error", cfg.reward.on_error, ["raise", "zero"])
     at_least("checkpoint.every", cfg.checkpoint.every, 0)

@@ -130,6 +130,17 @@ def no_network(monkeypatch):
     assert not tried, f"the test tried the network: {', '.join(tried)}"
 
 
+def wait_for(path: Path, proc, timeout: float = 300) -> None:
+    """Until `path` exists, while the process `proc` (a subprocess.Popen) runs; its stderr when it ended."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert proc.poll() is None, proc.communicate()[1]
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.05)
+
+
 @pytest.fixture
 def make_cfg(tmp_path):
     """make_cfg("trainer.joint_mode=cross", ...) -> TrainConfig writing into tmp_path/run."""

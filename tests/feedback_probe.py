@@ -30,3 +30,8 @@ def record_context(prompt, agent_completions, num_agents, prompt_history_per_age
 
 def raises(prompt, agent_completions, num_agents, prompt_history_per_agent, response_history_per_agent):
     raise RuntimeError("the feedback function failed")
+
+
+def wrong_signature(prompt, completions):
+    """The arguments by other names: the call passes agent_completions=..."""
+    return [prompt, prompt]

@@ -263,8 +263,8 @@ def test_code_env_and_expert_counters_add_up_over_processes(tmp_path):
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert proc.stderr.count("offline reference expert") == 1  # one start-up line, not one per process
     one, two = metrics(dirs[1]), metrics(dirs[2])
-    assert one[-1]["expert/calls"] > 0
+    assert one[-1]["expert/calls"] > 0 and one[-1]["eval/expert/calls"] > 0  # evaluation's own (issue 45)
     for a, b in zip(one, two):
         for key in a:
-            if key.startswith(("expert/", "env/")) and key != "expert/latency_s":
+            if key.startswith(("expert/", "env/", "eval/expert/")) and not key.endswith("expert/latency_s"):
                 assert b[key] == a[key], (a["step"], key)

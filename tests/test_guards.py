@@ -129,25 +129,50 @@ def _oom_if(condition):
     return None
 
 
-def test_a_signal_finishes_the_step_and_a_later_second_one_stops_at_once():
+def test_a_signal_finishes_the_step_and_a_later_second_one_stops_at_once(monkeypatch, capfd):
     """Ctrl-C under torchrun reaches a process twice at once (terminal + torchrun's forward): that is
-    one request to stop after the step; a second signal seconds later is an impatient user."""
+    one request to stop after the step; a second signal seconds later is an impatient user: the
+    process ends at once (os._exit: no thread to join), 128 + its number."""
     import signal
     import time
 
     from magrpo.console import StopSignals
 
+    class Exited(BaseException):
+        pass
+
+    def exit_(code):
+        raise Exited(code)
+
+    monkeypatch.setattr(os, "_exit", exit_)
     stop = StopSignals()
     try:
+        stop.ready()
         os.kill(os.getpid(), signal.SIGINT)
         assert stop.signal is signal.SIGINT
         os.kill(os.getpid(), signal.SIGTERM)  # the forwarded copy: ignored
         assert stop.signal is signal.SIGINT
         stop.since = time.monotonic() - stop.REPEAT_S - 0.1
-        with pytest.raises(KeyboardInterrupt):
-            os.kill(os.getpid(), signal.SIGINT)
+        with pytest.raises(Exited) as exited:
+            os.kill(os.getpid(), signal.SIGTERM)
+        assert exited.value.args == (128 + signal.SIGTERM,)
+        assert capfd.readouterr().err.splitlines()[-1] == (
+            "stopped: SIGTERM again: stopped at once, without a checkpoint; resume=auto continues from the last "
+            "complete checkpoint, if any")
     finally:
         stop.restore()
+
+
+def test_a_signal_during_start_up_stops_at_once():
+    """Before the run is ready (models loading) there is no step to finish: the signal stops it now."""
+    import signal
+
+    from magrpo.console import Interrupted, StopSignals
+
+    with StopSignals():
+        with pytest.raises(Interrupted, match="^SIGTERM during start-up, before the first step$") as stopped:
+            os.kill(os.getpid(), signal.SIGTERM)
+    assert stopped.value.exit_code == 143
 
 
 class SignalledWorld:

@@ -21,7 +21,8 @@ def test_smollm2_fetch_convert_and_reload(tmp_path):
 
     config = json.loads((path / "config.json").read_text())
     assert "quantization_config" not in config
-    assert not list(tmp_path.glob("models/tmp*")), "temporary folders left behind"
+    assert not list(tmp_path.glob("models/tmp*")) and not list(tmp_path.glob("models/.*.tmp")), \
+        "temporary folders left behind"
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path)
     assert 130e6 < sum(p.numel() for p in model.parameters()) < 140e6

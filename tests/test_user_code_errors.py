@@ -140,7 +140,7 @@ def test_a_second_signal_is_one_line_exit_130(run_main, monkeypatch):
     import magrpo.trainer
 
     def interrupted(cfg):
-        raise KeyboardInterrupt  # what console.StopSignals raises on a second signal
+        raise KeyboardInterrupt  # Ctrl-C before the run installs its handlers (while the config composes)
 
     monkeypatch.setattr(magrpo.trainer, "train", interrupted)
     try:
