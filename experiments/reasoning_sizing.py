@@ -21,16 +21,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # `python experiments/reasoning_sizing.py` from a clean clone: this checkout's magrpo
     sys.path.insert(0, str(ROOT))
+
+from magrpo.envs.reasoning.tasks import reader  # noqa: E402  (after the path line above)
 
 STREAM = 13  # sampling stream of these paths (training 0, evaluation 1, code_learning 7, easy_difficulty 11)
 CANDIDATES = (  # short verifiable answers, 2-3 difficulties each
@@ -74,16 +76,10 @@ class Recorder:
         return getattr(self.backend, name)
 
 
-LAST_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
-
-
 def lenient(text: str, extract) -> str | None:
-    """Diagnostic only (the env never reads answers this way): the tagged answer, else the reply's last number."""
-    tagged = extract(text)
-    if tagged is not None:
-        return tagged
-    numbers = LAST_NUMBER.findall(text)
-    return numbers[-1] if numbers else None
+    """The tagged answer, else the reply's last number: env.answer_reading=tag_or_last_number's reading, used
+    here as a diagnostic of runs that read tags."""
+    return reader(SimpleNamespace(utils=SimpleNamespace(extract_answer=extract)), "tag_or_last_number")(text)
 
 
 def reply_stats(completions: list, extract) -> dict[str, float]:

@@ -232,6 +232,9 @@ class Run:
                 print(f"magrpo: the checkpoint is at step {state['step']}, trainer.steps={trainer.steps}: no step "
                       f"left to train; raise trainer.steps to go on", file=sys.stderr)
         recorded = {**asdict(cfg), **({"warnings": list(env.warnings)} if env.warnings else {})}
+        if world.is_main:  # said once every check has passed (bad input stays one line), kept in config.json
+            for line in env.warnings:
+                print(f"WARNING: {line}", file=sys.stderr)
         self.writer = RunWriter(self.dir, recorded, cfg.logging.wandb) if world.is_main else NullWriter()
         self.eval_problems = env.problems("eval")[: cfg.eval.max_problems or None] if evaluates(cfg) else []
         self.tree = TreeSettings.of(cfg)

@@ -67,6 +67,20 @@ def test_rewards_are_the_librarys_score_answer_on_right_wrong_and_malformed_answ
         assert rewards["no tags"] == rewards["unclosed tag"] == rewards["empty tags"] == 0.0
 
 
+def test_tag_or_last_number_reads_an_untagged_replys_last_number_and_a_tag_first(rg):
+    """SmolLM2-135M writes no <answer> tags (docs/reasoning_sizing_results.md): with tags only, every reply
+    scores 0; env.answer_reading=tag_or_last_number reads the tag, else the last number."""
+    lenient, strict = (make_env(rg, task="chain_sum", num_agents=1, answer_reading=how)
+                       for how in ("tag_or_last_number", "tags"))
+    problem = lenient.problems("train")[0]
+    answer = int(problem["answer"])
+    texts = [f"Adding them gives {answer}.", f"{answer} or maybe {answer + 1}",
+             f"<answer>{answer}</answer> not {answer + 1}", "no number here"]
+    assert [s.reward for s in lenient.score([problem] * 4, [[t] for t in texts])] == [1.0, 0.0, 1.0, 0.0]
+    assert [s.reward for s in strict.score([problem] * 4, [[t] for t in texts])] == [0.0, 0.0, 1.0, 0.0]
+    assert lenient.score([problem], [["no number here"]])[0].context["answers"] == [None]
+
+
 def test_the_team_reward_is_the_checkers_and_each_agent_has_its_own(rg):
     env = make_env(rg, num_agents=3)
     problem = env.problems("train")[0]
@@ -181,6 +195,7 @@ TASK_ERRORS = {
         "env.task_config.datasets[1].name", ["'nope' is not a reasoning-gym task"]),
     "env.eval_seed=0": ("env.eval_seed", ["must differ from env.train_seed (0)"]),
     "env.prompt_style=chatty": ("env.prompt_style", ["'chatty'", "default, direct"]),
+    "env.answer_reading=guess": ("env.answer_reading", ["'guess'", "tags, tag_or_last_number"]),
 }
 
 

@@ -15,8 +15,8 @@ Three cases, found once per trainer (`hierarchy()`):
 * cgroup v2 (most laptops and newer servers): the trainer's own group is writable and offers `memory`
   and `pids` (root, or a delegated subtree such as `systemd-run --user --scope -p Delegate=yes`).
   `cgroup.kill` kills a tree at once.
-* none (an unprivileged user without delegation): limits stay per process, and `describe()` says so at
-  start-up (docs/environments.md, "What each mode protects against").
+* none (an unprivileged user without delegation): limits stay per process, and `describe()` gives the
+  warning the trainer says at start-up (docs/environments.md, "Resources the kernel accounts").
 """
 from __future__ import annotations
 

@@ -99,14 +99,10 @@ class CodeEnv(Environment):
         except SandboxUnavailable as e:
             raise ConfigError("env.sandbox", str(e)) from None
         self.limits = SandboxLimits(timeout_s=cfg.timeout_s, mode=cfg.sandbox)
+        # Said by the trainer at start-up and kept in config.json: what confines programs less than it should
         limits, all_hold = cgroups.describe(self.limits.memory_mb, self.limits.max_processes)
         self.warnings = (*((isolation.UNSAFE_WARNING,) if cfg.sandbox == "unsafe" else ()),
                          *(() if all_hold else (limits,)))
-        if is_main_process():
-            for line in self.warnings:
-                print(f"WARNING: {line}", file=sys.stderr)
-            if all_hold:
-                print(limits, file=sys.stderr)
         self.weights = cfg.reward
         self.sandbox_runs = 0
         self.timeouts = 0

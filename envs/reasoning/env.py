@@ -65,6 +65,10 @@ class ReasoningGymEnv(Environment):
         prompt_style: str = "default"
         """Which of reasoning-gym's answer-format instructions opens every first prompt: default, simple, direct,
         chain_of_draft, DeepSeekZero (the library's SYSTEM_PROMPTS)."""
+        answer_reading: str = "tags"
+        """How an answer is read from a reply: tags (the library's: the last <answer>...</answer>; none = no answer) |
+        tag_or_last_number (the tag, else the reply's last number: for numeric tasks and models that write no tags,
+        e.g. SmolLM2-135M, docs/reasoning_sizing_results.md)."""
 
     default_feedback = "reasoning_gym"
     split_keys = {"train": "env.train_size", "eval": "env.eval_size"}
@@ -82,6 +86,8 @@ class ReasoningGymEnv(Environment):
                                                "split needs problems of its own")
         self.rg = tasks.library()
         choice("env.prompt_style", cfg.prompt_style, sorted(self.rg.utils.SYSTEM_PROMPTS))
+        choice("env.answer_reading", cfg.answer_reading, list(tasks.ANSWER_READINGS))
+        self.read = tasks.reader(self.rg, cfg.answer_reading)
         self.kwargs = tasks.task_kwargs(self.rg, cfg.task, cfg.task_config)
         # The train split's dataset also scores every answer: the verifier is the task's, whatever the seed.
         self.dataset = tasks.make_dataset(self.rg, cfg.task, self.kwargs, cfg.train_seed, cfg.train_size)
@@ -131,10 +137,10 @@ class ReasoningGymEnv(Environment):
 
     def score(self, problems: Sequence[Mapping[str, Any]], joint_completions: Sequence[Sequence[str]]) -> list[Scored]:
         """The team's reward is the last agent's score (the checker's; alone, the solver's). Context:
-        per agent the extracted answer (None: no answer tags) and its score, and the roles."""
+        per agent the answer read (env.answer_reading; None: none found) and its score, and the roles."""
         out = []
         for problem, texts in zip(problems, joint_completions):
-            answers = [self.rg.utils.extract_answer(text) for text in texts]
+            answers = [self.read(text) for text in texts]
             scores = [self.verify(answer, problem) for answer in answers]
             team = scores[-1]
             outcomes = {"reward": team, "passed": float(team >= 1.0)}

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-from typing import Any, Mapping
+import re
+from typing import Any, Callable, Mapping
 
 from magrpo.errors import ConfigError, describe
 
@@ -14,6 +15,27 @@ EXTRA = "pip install 'magrpo[reasoning-gym]' (in a checkout: pip install -e '.[r
 # Keys the env sets per split: a task_config that fixed the seed would give both splits one seed.
 OWN_KEYS = {"seed": "env.train_seed and env.eval_seed", "size": "env.train_size and env.eval_size"}
 SPEC_KEYS = ("name", "weight", "config")  # one entry of a composite's `datasets`
+
+
+ANSWER_READINGS = ("tags", "tag_or_last_number")  # env.answer_reading
+LAST_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def reader(rg: Any, how: str) -> Callable[[str], str | None]:
+    """How an answer is read from a reply: `tags`, the library's extract_answer (the last
+    <answer>...</answer>; None without one); `tag_or_last_number`, the tag, else the reply's last number."""
+    extract = rg.utils.extract_answer
+    if how == "tags":
+        return extract
+
+    def tag_or_last_number(text: str) -> str | None:
+        tagged = extract(text)
+        if tagged is not None:
+            return tagged
+        numbers = LAST_NUMBER.findall(text)
+        return numbers[-1] if numbers else None
+
+    return tag_or_last_number
 
 
 def library() -> Any:
