@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Sequence
 from .errors import ConfigError, MagrpoError
 from .tree import Completion
 
-if TYPE_CHECKING:  # agents come from magrpo.models, which uses this module (tool messages): no import cycle
+if TYPE_CHECKING:  # for annotations only: magrpo.models imports nothing of this module
     from .models import Agent
 
 CONTENT_SLOT = "\ue001magrpo-slot\ue001"  # private-use characters: no chat template writes them
@@ -86,6 +86,8 @@ class Conversation:
         self.agents, self.mode, self.check = list(agents), mode, check
         self.templates: dict[int, TurnTemplate] = {}
         if mode == "messages":
+            from .models import no_chat_template  # torch and transformers: only for a conversation's agents
+
             for agent in self.agents:
                 if not agent.use_chat_template:
                     raise no_chat_template(agent.index, agent.model_path)
@@ -170,11 +172,6 @@ def turn_messages(agent: Agent, completion: Completion) -> list[dict]:
     if messages[-1]["role"] == "tool":  # a result the turn ended on: the reply's message still closes
         messages.append({"role": "assistant", "content": ""})
     return messages
-
-
-def no_chat_template(agent: int, path: str) -> ConfigError:
-    return ConfigError("external.history", f"messages needs a chat template, and agent {agent}'s model ({path}) "
-                                           "has none or model.chat_template=never; use external.history=continuation")
 
 
 def conversation_of(external_cfg, agents: Sequence[Agent]) -> Conversation | None:

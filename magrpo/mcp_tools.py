@@ -5,14 +5,13 @@ magrpo `Tool` whose `fn` calls it, so the tool loop treats it like any other too
 One session per server for the whole run. Sessions live in one event loop, on a daemon thread of its
 own: `execute_calls` runs every round in a fresh `asyncio.run` loop, and an MCP session (its anyio
 task groups and streams) must stay in the loop that opened it, so a call hands its request over to
-the sessions' loop and awaits the answer. The servers of a config are opened once (validation, the
-prompts and the tool loop all ask) and closed by `close` at the end of the run, or at exit.
-Imported only when `tools.mcp` is set.
+the sessions' loop and awaits the answer. The run's Toolbox (magrpo.toolbox) opens the servers once,
+at start-up, and closes them once at the end of the run, however it ends. Imported only when
+`tools.mcp` is set.
 """
 from __future__ import annotations
 
 import asyncio
-import atexit
 import concurrent.futures
 import errno
 import inspect
@@ -23,7 +22,6 @@ import sys
 import tempfile
 import threading
 from contextlib import AsyncExitStack
-from dataclasses import asdict
 from typing import Any, Sequence
 
 from . import lifeline
@@ -250,41 +248,3 @@ def start_error(e: BaseException, i: int, server: McpServerConfig) -> BaseExcept
             return matched
     return e if isinstance(e, ConfigError) else ConfigError(f"tools.mcp[{i}]", f"{where(server)} could not be used: "
                                                                                f"{first_error(e)}")
-
-
-# --- one set of servers per config, opened once ----------------------------------------------------
-
-_OPEN: dict[str, McpServers] = {}
-_LOCK = threading.Lock()
-
-
-def key_of(servers: Sequence[McpServerConfig]) -> str:
-    return json.dumps([asdict(s) for s in servers], sort_keys=True)
-
-
-def mcp_tools(servers: Sequence[McpServerConfig]) -> list[list[Tool]]:
-    """Each server's tools, connecting them on first use (a ConfigError naming `tools.mcp[i]`
-    when one cannot start, does not answer, or lacks a selected tool); later calls reuse the sessions."""
-    key = key_of(servers)
-    with _LOCK:
-        if key not in _OPEN:
-            if not _OPEN:
-                atexit.register(close_all)
-            _OPEN[key] = McpServers(servers)
-        return [list(tools) for tools in _OPEN[key].tools]
-
-
-def close(servers: Sequence[McpServerConfig]) -> None:
-    """End these servers' sessions (idempotent): the run's end, or its failure."""
-    with _LOCK:
-        opened = _OPEN.pop(key_of(servers), None)
-    if opened is not None:
-        opened.close()
-
-
-def close_all() -> None:
-    with _LOCK:
-        opened = list(_OPEN.values())
-        _OPEN.clear()
-    for servers in opened:
-        servers.close()

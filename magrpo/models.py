@@ -240,13 +240,16 @@ def agent_model_names(cfg: TrainConfig, num_agents: int) -> list[tuple[str, str]
     return [(name, "model.name" if name == cfg.model.name else f"agents[{i}].model") for i, name in enumerate(names)]
 
 
+def no_chat_template(agent: int, path: str) -> ConfigError:
+    return ConfigError("external.history", f"messages needs a chat template, and agent {agent}'s model ({path}) "
+                                           "has none or model.chat_template=never; use external.history=continuation")
+
+
 def check_chat_templates(cfg: TrainConfig, num_agents: int) -> None:
     """external.history=messages: every agent's model has a chat template, read from its tokenizer's files
     at start-up, before any model loads (a hub id not on this disk is left to the load, which checks it)."""
     if cfg.external.history != "messages":
         return
-    from .conversation import no_chat_template
-
     for i, (name, key) in enumerate(agent_model_names(cfg, num_agents)):
         path = name if cfg.model.chat_template == "never" else \
             resolve_model_path(name, key, cfg.model.tiny_hidden_size, cfg.model.tiny_layers)
@@ -268,7 +271,9 @@ def has_chat_template(folder: Path) -> bool | None:
         return None
 
 
-def load_agents(cfg: TrainConfig, num_agents: int) -> list[Agent]:
+def load_agents(cfg: TrainConfig, num_agents: int, tool_schemas: tuple[dict, ...] = ()) -> list[Agent]:
+    """The agents of a run, each with its model (its adapter on a shared base, or a base of its own) and
+    tokenizer; `tool_schemas` (the run's Toolbox.schemas) are the tools every prompt shows."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -319,13 +324,7 @@ def load_agents(cfg: TrainConfig, num_agents: int) -> list[Agent]:
         use_template = cfg.model.chat_template == "auto" and bool(getattr(tok, "chat_template", None))
         own = cfg.agents[i].system_prompt if i < len(cfg.agents) else None
         agents.append(Agent(index=i, model=model, tokenizer=tok, use_chat_template=use_template, model_path=path,
-                            tool_schemas=tool_schemas(cfg),
+                            tool_schemas=tool_schemas,
                             system_prompt=cfg.model.system_prompt if own is None else own,
                             template_kwargs=dict(cfg.model.chat_template_kwargs)))
     return agents
-
-
-def tool_schemas(cfg: TrainConfig) -> tuple[dict, ...]:
-    from .tool_loop import configured
-
-    return tuple(t.schema for t in configured(cfg.tools))

@@ -16,20 +16,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
-from .errors import ConfigError
 from .generation import GenerationRequest, SamplingParams
 from .sampling import stream_key
 from .tool_state import Session, ToolContext, release_all
+from .toolbox import Toolbox
 from .tools import (
     CALL_END,
     CallError,
-    Tool,
     ToolCall,
     ToolResult,
     ToolStats,
     execute_calls,
     parse_call,
-    resolve,
     response_text,
 )
 from .tree import Completion
@@ -38,53 +36,6 @@ from .tree import Completion
 EncodeText = Callable[[int, list[str]], list[list[int]]]
 # (agent, tool result) -> (text, token ids) of the chat template's own tool message; None: the plain format
 ToolMessage = Callable[[int, str], "tuple[str, list[int]] | None"]
-
-
-@dataclass(frozen=True)
-class ToolSettings:
-    tools: tuple[Tool, ...]
-    max_calls: int
-    timeout_s: float
-    max_output_chars: int
-    max_concurrency: int
-    mcp: tuple = ()  # the `tools.mcp` entries whose sessions `ToolBackend.close` ends
-
-    @classmethod
-    def of(cls, cfg) -> ToolSettings | None:
-        """None when no tool is configured: generation then runs exactly as without this module."""
-        t = cfg.tools
-        if not t.names and not t.mcp:
-            return None
-        return cls(tuple(configured(t)), t.max_calls, t.timeout_s, t.max_output_chars, t.max_concurrency,
-                   tuple(t.mcp))
-
-
-def configured(t) -> list[Tool]:
-    """The tools of a `tools` config section: `tools.names` resolved, then every tool of the MCP servers
-    of `tools.mcp` (connected once per config, magrpo.mcp_tools); a name used twice is a ConfigError."""
-    out = resolve(t.names, "tools.names")
-    if not t.mcp:
-        return out  # the mcp package is not even imported
-    from .mcp_tools import mcp_tools
-
-    seen = {tool.name: "tools.names" for tool in out}
-    for i, tools in enumerate(mcp_tools(t.mcp)):
-        for tool in tools:
-            if tool.name in seen:
-                raise ConfigError(f"tools.mcp[{i}]", f"its tool {tool.name!r} has the name of a tool of "
-                                                     f"{seen[tool.name]}; choose this server's tools with "
-                                                     f"tools.mcp[{i}].tools=[...]")
-            seen[tool.name] = f"tools.mcp[{i}]"
-            out.append(tool)
-    return out
-
-
-def release(t) -> None:
-    """End the MCP sessions `configured(t)` opened (idempotent; nothing to do without tools.mcp)."""
-    if t.mcp:
-        from .mcp_tools import close
-
-        close(t.mcp)
 
 
 @dataclass
@@ -124,7 +75,7 @@ class Turn:
 
 
 def generate_with_tools(backend, requests: Sequence[GenerationRequest], params: SamplingParams,
-                        settings: ToolSettings, encode_text: EncodeText, stats: ToolStats,
+                        settings: Toolbox, encode_text: EncodeText, stats: ToolStats,
                         message: ToolMessage | None = None) -> list[list[Completion]]:
     """What `backend.generate(requests, params)` returns, with tool calls made and their results
     spliced into each completion; one generate call per round, all branches' calls of a round at once."""
@@ -148,7 +99,7 @@ def generate_with_tools(backend, requests: Sequence[GenerationRequest], params: 
     return [[t.completion() for t in row] for row in turns]
 
 
-def run_rounds(backend, turns: list[list[Turn]], params: SamplingParams, settings: ToolSettings,
+def run_rounds(backend, turns: list[list[Turn]], params: SamplingParams, settings: Toolbox,
                encode_text: EncodeText, stats: ToolStats, message: ToolMessage | None = None) -> None:
     """Call, splice, resume, until no turn calls or `settings.max_calls` rounds were made."""
     for round_ in range(1, settings.max_calls + 1):
@@ -226,7 +177,7 @@ class ToolBackend:
     alike); every other member is the wrapped backend's. `metrics` adds the tool numbers since the
     last call (tools/calls, tools/errors/<kind>, tools/seconds, tools/call_rate)."""
 
-    def __init__(self, inner, settings: ToolSettings, encode_text: EncodeText, message: ToolMessage | None = None):
+    def __init__(self, inner, settings: Toolbox, encode_text: EncodeText, message: ToolMessage | None = None):
         self.inner, self.settings, self.encode_text, self.message = inner, settings, encode_text, message
         self.batch_setting = inner.batch_setting
         self.stats = ToolStats()
@@ -258,16 +209,12 @@ class ToolBackend:
         return out
 
     def close(self) -> None:
-        try:
-            self.inner.close()
-        finally:  # the MCP servers' sessions end with the backend (and their processes with them)
-            release(self.settings)
+        self.inner.close()  # the toolbox (MCP sessions) is its opener's to close (magrpo.trainer)
 
 
-def with_tools(backend, cfg, agents):
-    """`backend` itself when no tool is configured (generation exactly as before), else wrapped."""
-    settings = ToolSettings.of(cfg)
-    return backend if settings is None else ToolBackend(backend, settings, text_encoder(agents), tool_messages(agents))
+def with_tools(backend, toolbox: Toolbox | None, agents):
+    """`backend` itself when the run has no tools (generation exactly as before), else wrapped."""
+    return ToolBackend(backend, toolbox, text_encoder(agents), tool_messages(agents)) if toolbox else backend
 
 
 def tool_messages(agents) -> ToolMessage:

@@ -31,7 +31,7 @@ from .metrics import Counter, Maximum, reduce_over_ranks
 from .rollout import Rollout, TreeSettings, expand_trees, merge_rollouts, portable
 from .run_io import LOGS, RESUME_HINT, NullWriter, RunWriter, make_run_dir, tree_records, writing
 from .sampling import stream_key
-from .tool_loop import release
+from .toolbox import Toolbox
 from .tree import count_leaves
 from .update import AgentUpdater, TrainSample, UpdateSettings
 from .validation import check_problem_sizes, check_tree_size, step_size, validate
@@ -126,16 +126,16 @@ def train(cfg: TrainConfig, env: Environment | None = None, feedback: FeedbackTa
     """Check cfg (prepare) and train; returns the run dir. From Python, use `magrpo.train`: it also
     composes and type-checks the config the way the command line does."""
     with StopSignals() as stop:  # from the first line: a signal while models load stops at once, cleanly
-        try:
-            env, feedback = prepare(cfg, env, feedback)
+        env, feedback = prepare(cfg, env, feedback)
+        # The tools, MCP servers started, once every cheaper check has passed (still before any model
+        # loads); the box closes however the run ends.
+        with Toolbox.open(cfg.tools) as toolbox:
             world = world_from_env(cfg.model.device, cfg.trainer.dist_timeout_min)
             try:
                 with owned_run_dir(cfg, world) as run_dir:
-                    return _train(cfg, env, feedback, world, run_dir, stop)
+                    return _train(cfg, env, feedback, world, run_dir, stop, toolbox)
             finally:
                 world.close()
-        finally:  # MCP servers start at validation: they end with the run, however it ends
-            release(cfg.tools)
 
 
 @contextmanager
@@ -173,9 +173,9 @@ def owned_run_dir(cfg: TrainConfig, world: World):
 
 
 def _train(cfg: TrainConfig, env: Environment, feedback: Feedback, world: World, run_dir: Path,
-           stop: StopSignals) -> Path:
+           stop: StopSignals, toolbox: Toolbox) -> Path:
     """The loop of the README: collect -> advantages -> update -> log -> eval / checkpoint."""
-    run = Run(cfg, env, feedback, world, run_dir, stop)
+    run = Run(cfg, env, feedback, world, run_dir, stop, toolbox)
     trainer = cfg.trainer
     with run:
         if cfg.eval.at_start and run.first_step == 1:
@@ -204,7 +204,7 @@ class Run:
     traceback of an error in the run dir)."""
 
     def __init__(self, cfg: TrainConfig, env: Environment, feedback: Feedback, world: World, run_dir: Path,
-                 stop: StopSignals):
+                 stop: StopSignals, toolbox: Toolbox):
         # Before any model loads: a resume that does not match its run stops here (rank 0 decides).
         chosen = checkpoint.on_main(world, lambda: checkpoint.choose(cfg.resume, str(run_dir), asdict(cfg)))
         seed_everything(cfg.trainer.seed)  # the same on every rank: identical initial adapters
@@ -213,9 +213,10 @@ class Run:
 
         trainer, generation = cfg.trainer, cfg.generation
         self.cfg, self.env, self.feedback, self.world = cfg, env, feedback, world
-        self.agents = load_agents(cfg, env.num_agents)
+        self.agents = load_agents(cfg, env.num_agents, toolbox.schemas)
         self.conversation = conversation_of(cfg.external, self.agents)  # a template it cannot grow stops here
-        self.backend = make_backend(cfg, self.agents)
+        self.backend = make_backend(cfg, self.agents, toolbox)
+        self.has_tools = bool(toolbox)
         self.updaters = [AgentUpdater(a, trainer.lr, trainer.weight_decay, trainer.warmup_steps) for a in self.agents]
         self.dir = run_dir
         # The same problem order on every rank; each takes its shard of every batch.
@@ -332,8 +333,7 @@ class Run:
         eval_metrics = self.evaluate(step) if evaluating else {}
         if not world.is_main:
             return {}, None
-        tools = bool(self.cfg.tools.names or self.cfg.tools.mcp)
-        whole, metrics = _whole_batch_metrics(parts, agent_stats, self.cfg.trainer.num_turns, tools)
+        whole, metrics = _whole_batch_metrics(parts, agent_stats, self.cfg.trainer.num_turns, self.has_tools)
         self.env_step += int(metrics["tree/joint_actions"])
         metrics.update({**own, **eval_metrics, "env_step": self.env_step, "perf/update_s": update_s,
                         "perf/step_s": step_s})

@@ -161,7 +161,6 @@ def validate(cfg: TrainConfig) -> None:
     for i, name in enumerate([cfg.model.name] + [a.model for a in cfg.agents if a.model]):
         key = "model.name" if i == 0 else "agents[].model"
         _check_model_name(key, name)
-    start_tools(cfg)  # last: MCP servers start only for a config that passed every cheaper check
 
 
 def check_stop_strings(cfg: TrainConfig) -> None:
@@ -337,7 +336,7 @@ def text_size(value) -> int:
 
 def validate_tools(cfg: TrainConfig) -> None:
     """The `tools` section: limits positive, names resolve (registered or module:attr), MCP entries well
-    formed, hf backend. The servers themselves start in `start_tools`."""
+    formed. The servers start with the run's Toolbox (magrpo.toolbox), after every check here."""
     t = cfg.tools
     at_least("tools.max_calls", t.max_calls, 1)
     above("tools.timeout_s", t.timeout_s, 0)
@@ -357,11 +356,3 @@ def validate_tools(cfg: TrainConfig) -> None:
 
     resolve(t.names, "tools.names")
 
-
-def start_tools(cfg: TrainConfig) -> None:
-    """Every tool of the run, MCP servers' included: each server starts and lists its tools now (a
-    ConfigError naming tools.mcp[i] when it cannot), and the run reuses these sessions."""
-    if cfg.tools.mcp:
-        from .tool_loop import configured
-
-        configured(cfg.tools)

@@ -213,7 +213,8 @@ def test_a_messages_run_trains_and_logs_the_feedback_as_the_next_prompt(chat_tin
 
 def test_a_template_that_shows_tools_gets_each_result_as_its_own_tool_message(tokenizer):
     from magrpo.generation import GenerationRequest, SamplingParams
-    from magrpo.tool_loop import ToolSettings, generate_with_tools, text_encoder, tool_messages
+    from magrpo.tool_loop import generate_with_tools, text_encoder, tool_messages
+    from magrpo.toolbox import Toolbox
     from magrpo.tools import ToolStats, resolve
     from tests.chat_templates import QWEN_TOOLS
 
@@ -235,7 +236,7 @@ def test_a_template_that_shows_tools_gets_each_result_as_its_own_tool_message(to
             return out
 
     [[turn]] = generate_with_tools(Scripted(), [GenerationRequest(PROMPT, 0, 1, seed=1)],
-                                   SamplingParams(max_new_tokens=200), ToolSettings(tuple(calculator), 2, 5, 1000, 2),
+                                   SamplingParams(max_new_tokens=200), Toolbox(tuple(calculator), 2, 5, 1000, 2),
                                    text_encoder([agent]), ToolStats(), tool_messages([agent]))
     full = agent.render([{"role": "user", "content": agent.user_content(PROMPT)},
                          {"role": "assistant", "content": call}, {"role": "tool", "content": "42"}],
@@ -308,7 +309,8 @@ def tool_turn(tokenizer, agent, call: str):
     """Turn 1 of a tool-using agent: `call`, the calculator's result as the template's tool message,
     then "It is 42." and the end of the message."""
     from magrpo.generation import GenerationRequest, SamplingParams
-    from magrpo.tool_loop import ToolSettings, generate_with_tools, text_encoder, tool_messages
+    from magrpo.tool_loop import generate_with_tools, text_encoder, tool_messages
+    from magrpo.toolbox import Toolbox
     from magrpo.tools import ToolStats, resolve
 
     class Scripted:
@@ -324,7 +326,7 @@ def tool_turn(tokenizer, agent, call: str):
 
     calculator = resolve(["calculator"])
     [[turn]] = generate_with_tools(Scripted(), [GenerationRequest(PROMPT, 0, 1, seed=1)],
-                                   SamplingParams(max_new_tokens=200), ToolSettings(tuple(calculator), 2, 5, 1000, 2),
+                                   SamplingParams(max_new_tokens=200), Toolbox(tuple(calculator), 2, 5, 1000, 2),
                                    text_encoder([agent]), ToolStats(), tool_messages([agent]))
     return turn
 

@@ -27,6 +27,13 @@ def server(*extra: str, **fields) -> McpServerConfig:
                            **fields)
 
 
+def open_servers(servers: list[McpServerConfig]):
+    """The servers' sessions, as a run's Toolbox opens them; `.tools` per server, `.close()` ends them."""
+    from magrpo.mcp_tools import McpServers
+
+    return McpServers(servers)
+
+
 def override(entry: McpServerConfig) -> str:
     """The entry as a command-line override, every string quoted (paths hold `/`)."""
     command = ",".join(f"'{c}'" for c in entry.command)
@@ -57,12 +64,10 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def opened():
     """One server for the module's tests (each start costs about a second): its tools, closed at the end."""
-    from magrpo.mcp_tools import close, mcp_tools
-
-    servers = [server()]
-    [tools] = mcp_tools(servers)
+    opened = open_servers([server()])
+    [tools] = opened.tools
     yield {t.name: t for t in tools}
-    close(servers)
+    opened.close()
 
 
 def call(tools, *calls: ToolCall):
@@ -110,12 +115,11 @@ def test_a_server_at_a_url_over_streamable_http():
     import subprocess
     import time
 
-    from magrpo.mcp_tools import close, mcp_tools
-
     port = free_port()
     process = subprocess.Popen([sys.executable, "-m", "tests.mcp_server", "http", str(port)], cwd=ROOT,
                                stderr=subprocess.DEVNULL)
     servers = [McpServerConfig(url=f"http://127.0.0.1:{port}/mcp", tools=["add"])]
+    opened = None
     try:
         deadline = time.monotonic() + 60
         while True:  # until it listens
@@ -125,11 +129,13 @@ def test_a_server_at_a_url_over_streamable_http():
             except OSError:
                 assert process.poll() is None and time.monotonic() < deadline, "the HTTP server did not start"
                 time.sleep(0.05)
-        [tools] = mcp_tools(servers)
+        opened = open_servers(servers)
+        [tools] = opened.tools
         [r] = execute_calls([ToolCall("add", {"a": 1, "b": 2})], tools, 60.0, 1000, 8)
         assert [t.name for t in tools] == ["add"] and (r.text, r.error) == ("3", None)
     finally:
-        close(servers)
+        if opened is not None:
+            opened.close()
         process.kill()
         process.wait()
 
@@ -138,16 +144,14 @@ def test_a_server_at_a_url_over_streamable_http():
 def test_a_daemon_a_tool_started_ends_with_the_server(kind):
     """A tool's `setsid` or double-forked daemon, which ignores SIGTERM, is gone once the servers close
     (issue 44: the SDK's group kill never reached it)."""
-    from magrpo.mcp_tools import close, mcp_tools
-
-    servers = [server(f"daemon-{kind}")]  # an argument the server ignores: a session of its own
-    [tools] = mcp_tools(servers)
+    opened = open_servers([server(f"daemon-{kind}")])  # an argument the server ignores: a session of its own
+    [tools] = opened.tools
     try:
         daemon, pid = call({t.name: t for t in tools}, ToolCall("daemon", {"kind": kind}), ToolCall("pid", {}))
         pids = [int(daemon.text), int(pid.text)]
         assert all(alive(p) for p in pids)
     finally:
-        close(servers)
+        opened.close()
     assert survivors(pids, 0) == []  # close() returns once the server's supervisor has reaped them
 
 
@@ -156,11 +160,11 @@ def test_a_daemon_a_tool_started_ends_with_the_server(kind):
 TRAINER = """
 import sys
 from magrpo.config import McpServerConfig
-from magrpo.mcp_tools import mcp_tools
+from magrpo.mcp_tools import McpServers
 from magrpo.tools import ToolCall, execute_calls
 
 entry = McpServerConfig(command=[sys.executable, "-m", "tests.mcp_server"], env={"PYTHONPATH": sys.argv[1]})
-[tools] = mcp_tools([entry])
+[tools] = McpServers([entry]).tools
 for call in [ToolCall("pid", {})] + [ToolCall("daemon", {"kind": kind}) for kind in ("setsid", "double_fork")]:
     print(execute_calls([call], tools, 60.0, 1000, 8)[0].text, flush=True)
 execute_calls([ToolCall("wait", {"seconds": 3600})], tools, 3600.0, 1000, 8)
@@ -183,11 +187,9 @@ def test_a_trainer_killed_by_sigkill_mid_call_takes_its_server_and_the_daemons_a
 
 
 def test_a_selection_of_a_tool_the_server_lacks_names_what_it_has():
-    from magrpo.mcp_tools import mcp_tools
-
     with pytest.raises(ConfigError, match=r"^tools\.mcp\[0\]\.tools: 'mul': not a tool of the server .*; it has: "
                                           r"add, fail, wait, pid, daemon$"):
-        mcp_tools([server(tools=["add", "mul"])])
+        open_servers([server(tools=["add", "mul"])])
 
 
 def test_bad_entries_stop_at_start_up_in_one_line(run_cli):
@@ -213,12 +215,10 @@ def test_bad_entries_stop_at_start_up_in_one_line(run_cli):
 
 def test_a_tool_schema_past_max_schema_chars_stops_at_start_up_in_one_line():
     """A server once described a tool in 4 MB: 524k tokens in every prompt (issue 44)."""
-    from magrpo.mcp_tools import mcp_tools
-
     with pytest.raises(ConfigError, match=r"^tools\.mcp\[0\]\.max_schema_chars: the server .* lists 'add' with a "
                                           r"schema of \d+ characters .*, more than 50; every prompt would show it: "
                                           r"leave it out with tools\.mcp\[0\]\.tools=\[\.\.\.\] or raise the limit$"):
-        mcp_tools([server(tools=["add"], max_schema_chars=50)])
+        open_servers([server(tools=["add"], max_schema_chars=50)])
 
 
 # A server without the SDK, whose `echo` answers text with the JSON escape \ud800 (a lone surrogate)
@@ -249,46 +249,52 @@ for line in sys.stdin:
 def test_a_servers_answer_holding_a_lone_surrogate_is_an_error_and_the_session_goes_on():
     """The SDK refuses the message (its JSON parser takes no lone surrogate): the call ends as a
     timeout, never a lone surrogate in the model's tokens, and the next call is answered."""
-    from magrpo.mcp_tools import close, mcp_tools
-
-    servers = [McpServerConfig(command=[sys.executable, "-c", RAW_SERVER])]
+    opened = open_servers([McpServerConfig(command=[sys.executable, "-c", RAW_SERVER])])
     try:
-        [tools] = mcp_tools(servers)
+        [tools] = opened.tools
         refused, answered = (execute_calls([ToolCall(name, {})], tools, 0.5, 1000, 8)[0] for name in ("echo", "ok"))
         assert (refused.error, answered.text) == ("timeout", "fine")
     finally:
-        close(servers)
+        opened.close()
 
 
 def test_a_server_that_never_answers_times_out(monkeypatch):
-    from magrpo.mcp_tools import mcp_tools
-
     silent = McpServerConfig(command=[sys.executable, "-c", "import sys; sys.stdin.read()"], start_timeout_s=0.5)
     with pytest.raises(ConfigError, match=r"tools\.mcp\[0\]: .* did not finish the MCP handshake .* within 0.5 s"):
-        mcp_tools([silent])
+        open_servers([silent])
 
 
 def test_a_name_used_twice_across_sources_is_refused(monkeypatch):
     import magrpo.mcp_tools
-    from magrpo.tool_loop import configured
+    from magrpo.toolbox import Toolbox
 
     twin = Tool("calculator", {"name": "calculator"}, lambda: "")
-    monkeypatch.setattr(magrpo.mcp_tools, "mcp_tools", lambda servers: [[], [twin]])
+    closed = []
+
+    class Servers:  # two servers, the second offering a `calculator`
+        def __init__(self, entries):
+            self.tools = [[], [twin]]
+
+        def close(self):
+            closed.append(True)
+
+    monkeypatch.setattr(magrpo.mcp_tools, "McpServers", Servers)
     t = TrainConfig().tools
     t.names, t.mcp = ["calculator"], [server(), server()]
     with pytest.raises(ConfigError, match=r"^tools\.mcp\[1\]: its tool 'calculator' has the name of a tool of "
                                           r"tools\.names; choose"):
-        configured(t)
+        Toolbox.open(t)
+    assert closed == [True]  # the sessions it opened end with the refusal
 
 
 def test_without_servers_the_mcp_module_is_not_imported(monkeypatch):
-    from magrpo.tool_loop import configured, release
+    from magrpo.toolbox import Toolbox
 
     monkeypatch.setitem(sys.modules, "magrpo.mcp_tools", None)  # importing it now fails
     t = TrainConfig().tools
     t.names = ["calculator"]
-    assert [tool.name for tool in configured(t)] == ["calculator"]
-    release(t)
+    with Toolbox.open(t) as box:
+        assert [tool.name for tool in box.tools] == ["calculator"]
 
 
 def test_the_command_line_shape_parses(make_cfg):
@@ -303,7 +309,7 @@ def test_a_training_run_calls_an_mcp_tool_and_ends_its_server(make_cfg, monkeypa
     so a real run discovers, calls through the session, splices the answer and closes the server."""
     import magrpo.mcp_tools
     import magrpo.tool_loop
-    from magrpo.models import tool_schemas
+    from magrpo.toolbox import Toolbox
     from magrpo.trainer import train
 
     marker = f"mcp-run-{os.getpid()}"  # an argument the server ignores, to find its process
@@ -311,8 +317,10 @@ def test_a_training_run_calls_an_mcp_tool_and_ends_its_server(make_cfg, monkeypa
                    "trainer.num_turns=1", "eval.at_end=false", "generation.max_new_tokens=24")
     opened, real = [], magrpo.mcp_tools.McpServers
     monkeypatch.setattr(magrpo.mcp_tools, "McpServers", lambda servers: opened.append(real(servers)) or opened[-1])
-    assert [s["name"] for s in tool_schemas(cfg)] == ["add"]  # the selection: fail and pid are not offered
-    assert server_processes(marker)  # started once here; the run reuses the sessions
+    with Toolbox.open(cfg.tools) as box:
+        assert [s["name"] for s in box.schemas] == ["add"]  # the selection: fail and pid are not offered
+        assert server_processes(marker)
+    assert server_processes(marker) == []  # ended with its box
     monkeypatch.setattr(magrpo.tool_loop, "CALL_END", "e")
     monkeypatch.setattr(magrpo.tool_loop, "parse_call", lambda text: (
         ToolCall("add", {"a": 40, "b": 2}) if text.endswith("e") else None))
@@ -320,7 +328,7 @@ def test_a_training_run_calls_an_mcp_tool_and_ends_its_server(make_cfg, monkeypa
     metrics = [json.loads(line) for line in open(run / "metrics.jsonl")]
     assert all(m["tools/calls"] > 0 for m in metrics) and not any("tools/errors/raised" in m for m in metrics)
     assert "<tool_response>\\n42\\n</tool_response>" in (run / "rollouts.jsonl").read_text()
-    assert len(opened) == 1 and server_processes(marker) == []
+    assert len(opened) == 2 and server_processes(marker) == []  # the run's own box: opened once, closed
 
 
 def test_the_docs_server_example_runs_under_command_python(tmp_path):
@@ -329,17 +337,16 @@ def test_the_docs_server_example_runs_under_command_python(tmp_path):
     minimal PATH it was another Python (here one without `mcp`), and the server failed to start."""
     import re
 
-    from magrpo.mcp_tools import close, mcp_tools
-
     doc = (ROOT / "docs" / "tools.md").read_text()
     [example] = [block for block in re.findall(r"```python\n(.*?)```", doc, re.DOTALL) if "MCPServer(" in block]
     (tmp_path / "my_pkg").mkdir()
     (tmp_path / "my_pkg" / "__init__.py").write_text("")
     (tmp_path / "my_pkg" / "server.py").write_text(example)
-    servers = [McpServerConfig(command=["python", "-m", "my_pkg.server"], env={"PYTHONPATH": str(tmp_path)})]
+    opened = open_servers([McpServerConfig(command=["python", "-m", "my_pkg.server"],
+                                           env={"PYTHONPATH": str(tmp_path)})])
     try:
-        [tools] = mcp_tools(servers)
+        [tools] = opened.tools
         [result] = execute_calls([ToolCall("add", {"a": 2, "b": 40})], tools, 10.0, 1000, 1)
     finally:
-        close(servers)
+        opened.close()
     assert [t.name for t in tools] == ["add"] and result.text == "42" and result.error is None

@@ -19,10 +19,6 @@ def module_name(path: Path) -> str:
 MODULES = sorted(name for name in map(module_name, PACKAGE.rglob("*.py")) if name)  # "" is magrpo itself
 
 
-def _is_type_checking(node: ast.If) -> bool:
-    return isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
-
-
 def source_of(module: str) -> Path:
     path = PACKAGE.joinpath(*module.split("."))
     return path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
@@ -39,9 +35,11 @@ def known_module(dotted: str) -> str | None:
 
 
 def imports_of(module: str) -> set[str]:
-    """The magrpo modules `module` imports anywhere (lazy imports included; `if TYPE_CHECKING:` blocks,
-    which never run, excluded). A submodule's own package __init__, which Python runs first, is not
-    counted: a package that imports its submodules only on use (backends) is no cycle."""
+    """The magrpo modules `module` imports anywhere: lazy imports, and `if TYPE_CHECKING:` blocks too
+    (they never run, but an annotation that names a module above is a layer turned upside down: the
+    circle models -> tool_loop -> conversation -> models ran through one). A submodule's own package
+    __init__, which Python runs first, is not counted: a package that imports its submodules only on
+    use (backends) is no cycle."""
     package = module.split(".") if source_of(module).name == "__init__.py" else module.split(".")[:-1]
     found: set[str] = set()
 
@@ -56,10 +54,6 @@ def imports_of(module: str) -> set[str]:
         return [".".join([*stem, alias.name]) for alias in node.names] + [".".join(stem)]
 
     def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and _is_type_checking(node):
-            for child in node.orelse:
-                visit(child)
-            return
         if isinstance(node, ast.ImportFrom):
             found.update(filter(None, map(known_module, resolve(node))))
         elif isinstance(node, ast.Import):

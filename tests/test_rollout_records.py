@@ -19,12 +19,15 @@ OVERRIDES = ["env=tool_arith", "env.num_agents=2", "external=plain", "tools=[cal
 @pytest.mark.slow
 def test_a_tool_runs_records_rebuild_every_agents_exact_input_ids(pinned_train):
     from magrpo.models import load_agents
+    from magrpo.toolbox import Toolbox
     from magrpo.tools import response_text
     from tests.conftest import SMALL, compose
 
     overrides = [*OVERRIDES, f"model.name={warm_model_path()}"]
     run = pinned_train(*overrides)
-    agents = load_agents(compose([*SMALL, *overrides]), 2)
+    cfg = compose([*SMALL, *overrides])
+    with Toolbox.open(cfg.tools) as box:
+        agents = load_agents(cfg, 2, box.schemas)
     records = [json.loads(line) for line in open(run / "rollouts.jsonl")]
     calls = 0
     for node in (node for record in records for node in record["nodes"]):

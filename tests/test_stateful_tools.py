@@ -10,8 +10,9 @@ import pytest
 
 from magrpo.errors import ConfigError
 from magrpo.generation import GenerationRequest, SamplingParams
-from magrpo.tool_loop import ToolSettings, generate_with_tools
+from magrpo.tool_loop import generate_with_tools
 from magrpo.tool_state import ToolContext
+from magrpo.toolbox import Toolbox
 from magrpo.tools import Tool, ToolCall, ToolStats, execute_calls, function_tool, resolve, stateful_tool
 from tests.fakes import SAMPLING, FakeEnv, RecordingFeedback, ToolScriptBackend, serial, tree_settings
 
@@ -62,7 +63,7 @@ def note(word: str) -> str:
 
 def loop(tools, script, requests, timeout_s=5.0, max_calls=4, stats=None, backend=None):
     backend = backend or ToolScriptBackend(script)
-    settings = ToolSettings(tuple(tools), max_calls, timeout_s, 1000, 8)
+    settings = Toolbox(tuple(tools), max_calls, timeout_s, 1000, 8)
     return generate_with_tools(backend, requests, SamplingParams(max_new_tokens=600), settings, backend.encode,
                                stats or ToolStats())
 

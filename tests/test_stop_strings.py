@@ -11,7 +11,8 @@ import shlex
 import pytest
 
 from magrpo.generation import GenerationRequest, SamplingParams, StopStrings
-from magrpo.tool_loop import ToolSettings, generate_with_tools
+from magrpo.tool_loop import generate_with_tools
+from magrpo.toolbox import Toolbox
 from magrpo.tools import ToolStats, resolve, response_text
 from tests.conftest import ROOT
 from tests.fakes import ToolScriptBackend
@@ -194,7 +195,7 @@ CALC = 'I will compute. <tool_call>{"name": "calculator", "arguments": {"express
 
 def tool_turn(replies: list[str], stop: tuple[str, ...]):
     backend = ToolScriptBackend(replies)
-    settings = ToolSettings(tuple(resolve(["calculator"])), 4, 5.0, 1000, 8)
+    settings = Toolbox(tuple(resolve(["calculator"])), 4, 5.0, 1000, 8)
     [[c]] = generate_with_tools(backend, [GenerationRequest("P", 0, 1, 7, stop=stop)], SamplingParams(400),
                                 settings, backend.encode, ToolStats())
     return backend, c

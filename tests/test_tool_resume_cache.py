@@ -13,7 +13,8 @@ import magrpo.tool_loop as tool_loop
 from magrpo.backends.hf import HFBackend
 from magrpo.generation import GenerationRequest, SamplingParams
 from magrpo.models import load_agents
-from magrpo.tool_loop import ToolSettings, generate_with_tools, text_encoder
+from magrpo.tool_loop import generate_with_tools, text_encoder
+from magrpo.toolbox import Toolbox
 from magrpo.tools import ToolCall, ToolStats, resolve
 from tests.near_ties import same_up_to_a_near_tie, shared_prefix
 
@@ -64,7 +65,7 @@ def prefilled_tokens(model, run):
 def tool_turns(agents, params, reuse, monkeypatch):
     monkeypatch.setattr(tool_loop, "parse_call", lambda text: ToolCall("calculator", {"expression": "6*7"}))
     backend = HFBackend(agents)
-    settings = ToolSettings(tuple(resolve(["calculator"])), 2, 5.0, 1000, 8)
+    settings = Toolbox(tuple(resolve(["calculator"])), 2, 5.0, 1000, 8)
     out, fed = prefilled_tokens(agents[0].model, lambda: generate_with_tools(
         Cut(backend, 5, reuse), REQUESTS, params, settings, text_encoder(agents), ToolStats()))
     assert len(backend.kept) == 0  # the last round (max_calls) keeps nothing: no cache outlives the turn

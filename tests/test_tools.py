@@ -14,7 +14,8 @@ import pytest
 from magrpo.config import TrainConfig
 from magrpo.errors import ConfigError
 from magrpo.generation import GenerationRequest, SamplingParams
-from magrpo.tool_loop import ToolSettings, generate_with_tools
+from magrpo.tool_loop import generate_with_tools
+from magrpo.toolbox import Toolbox
 from magrpo.tools import (
     MAX_ARGUMENT_DEPTH,
     MAX_CALL_CHARS,
@@ -257,7 +258,8 @@ def test_tools_on_the_command_line(run_cli):
 
 
 def test_no_tools_configured_means_no_tool_loop():
-    assert ToolSettings.of(TrainConfig()) is None
+    with Toolbox.open(TrainConfig().tools) as box:
+        assert not box and box.schemas == ()
 
 
 # --- the loop --------------------------------------------------------------------------------------
@@ -266,7 +268,7 @@ CALC = call('{"name": "calculator", "arguments": {"expression": "6*7"}}')
 
 
 def settings(max_calls=4):
-    return ToolSettings(tuple(resolve(["calculator"])), max_calls, 5.0, 1000, 8)
+    return Toolbox(tuple(resolve(["calculator"])), max_calls, 5.0, 1000, 8)
 
 
 def loop(backend, max_new_tokens=400, max_calls=4, k=3, stats=None):
@@ -437,7 +439,10 @@ def test_make_backend_wraps_only_when_tools_are_configured(make_cfg):
     from magrpo.tool_loop import ToolBackend
 
     assert type(make_backend(make_cfg(), [])) is HFBackend
-    assert type(make_backend(make_cfg("tools=[calculator]"), [])) is ToolBackend
+    cfg = make_cfg("tools=[calculator]")
+    with Toolbox.open(cfg.tools) as box:
+        assert type(make_backend(cfg, [], box)) is ToolBackend
+        assert type(make_backend(cfg, [])) is HFBackend  # no toolbox, no tools
 
 
 @pytest.mark.slow
@@ -485,10 +490,13 @@ def test_a_template_that_takes_tools_shows_them_itself(tiny_backend, monkeypatch
     assert replace(agent, tool_schemas=()).format_prompt("Add.") == "Add."
 
 
-def test_load_agents_gives_every_agent_the_tools(make_cfg):
-    from magrpo.models import tool_schemas
+def test_load_agents_gives_every_agent_the_toolboxs_schemas(make_cfg):
+    from magrpo.models import load_agents
 
-    assert tool_schemas(make_cfg("tools=[calculator]")) == CALC_SCHEMAS and tool_schemas(make_cfg()) == ()
+    cfg = make_cfg("tools=[calculator]")
+    with Toolbox.open(cfg.tools) as box:
+        assert box.schemas == CALC_SCHEMAS
+        assert [a.tool_schemas for a in load_agents(cfg, 2, box.schemas)] == [CALC_SCHEMAS] * 2
 
 
 def test_every_completion_is_the_text_of_its_tokens_when_branches_resume_with_unequal_room():

@@ -268,7 +268,8 @@ def test_tool_turns_on_vllm_are_spliced_masked_and_give_tool_tokens_no_gradient(
     """The tool loop around the vLLM engine: a call's result is in the turn, masked; the update's
     gradient does not change when the tool's output tokens do (issue 31, point 2 on vLLM)."""
     import magrpo.tool_loop
-    from magrpo.tool_loop import ToolBackend, ToolSettings, text_encoder
+    from magrpo.tool_loop import ToolBackend, text_encoder
+    from magrpo.toolbox import Toolbox
     from magrpo.tools import ToolCall, resolve
     from tests.fakes import loss_settings
 
@@ -277,7 +278,7 @@ def test_tool_turns_on_vllm_are_spliced_masked_and_give_tool_tokens_no_gradient(
     monkeypatch.setattr(magrpo.tool_loop, "CALL_END", "e")
     monkeypatch.setattr(magrpo.tool_loop, "parse_call", lambda text: (
         ToolCall("calculator", {"expression": "6*7"}) if text.endswith("e") else None))
-    tools = ToolBackend(backend, ToolSettings(tuple(resolve(["calculator"])), 2, 5.0, 1000, 4), text_encoder(agents))
+    tools = ToolBackend(backend, Toolbox(tuple(resolve(["calculator"])), 2, 5.0, 1000, 4), text_encoder(agents))
     out = tools.generate([GenerationRequest(p, 0, 4, seed=11) for p in PROMPTS],
                          SamplingParams(max_new_tokens=24, logprobs=True))
     turns = [c for row in out for c in row if c.tool_calls]

@@ -13,6 +13,7 @@ from .base import GenerationBackend
 if TYPE_CHECKING:
     from ..config import TrainConfig
     from ..models import Agent
+    from ..toolbox import Toolbox
 
 __all__ = ["BACKENDS", "GenerationBackend", "make_backend"]
 
@@ -34,7 +35,8 @@ def _vllm(cfg: "TrainConfig", agents: "list[Agent]") -> GenerationBackend:
     return VLLMBackend(agents, cfg)
 
 
-def make_backend(cfg: "TrainConfig", agents: "list[Agent]") -> GenerationBackend:
+def make_backend(cfg: "TrainConfig", agents: "list[Agent]", toolbox: "Toolbox | None" = None) -> GenerationBackend:
+    """The configured backend; with a toolbox that holds tools, wrapped by the tool loop."""
     from ..tool_loop import with_tools
 
-    return with_tools(BACKENDS.get(cfg.backend)(cfg, agents), cfg, agents)
+    return with_tools(BACKENDS.get(cfg.backend)(cfg, agents), toolbox, agents)
