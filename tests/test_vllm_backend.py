@@ -5,6 +5,8 @@ engine serves the whole module: starting one takes ~50 s here.
 """
 from __future__ import annotations
 
+import os
+import tempfile
 from dataclasses import replace
 
 import pytest
@@ -208,6 +210,12 @@ def test_the_engine_dies_with_a_trainer_killed_by_sigkill():
     finally:
         left = after_sigkill(trainer, pids, 15)  # SIGTERM first: the engine may take a moment to end
     assert left == []
+    # Its adapters' folder stays in /dev/shm (nothing of the trainer runs after SIGKILL); the next start's
+    # sweep (VLLMBackend.__init__) removes it, since its owner is dead, and only it.
+    from magrpo import paths
+
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    assert any(p.name.startswith(f"magrpo-lora-{trainer.pid}-") for p in paths.sweep(shm, "magrpo-lora-"))
 
 
 def test_vllm_stops_at_a_stop_string_and_keeps_it(setup):

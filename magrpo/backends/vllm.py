@@ -25,12 +25,11 @@ import shutil
 import tempfile
 import typing
 from collections import defaultdict
-from pathlib import Path
 from typing import TYPE_CHECKING, Iterator, Mapping, Sequence
 
 import torch
 
-from .. import lifeline
+from .. import lifeline, paths
 from ..errors import ConfigError, SyncError
 from ..generation import GenerationRequest, SamplingParams
 from ..loss import token_logprobs
@@ -171,7 +170,11 @@ class VLLMBackend:
         # vLLM's engine core (and multiprocessing's resource tracker) outlived a trainer killed with -9,
         # holding the model's memory: a watcher ends them if this process dies (magrpo/lifeline.py).
         lifeline.watch([pid for pid in lifeline.children(os.getpid()) if pid not in started_before])
-        self.root = Path(tempfile.mkdtemp(prefix="magrpo-lora-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+        # The adapters' folder, held by this process (magrpo.paths.owned_folder): one that a trainer killed
+        # with -9 left behind is removed here, by the next start.
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        paths.sweep(shm, "magrpo-lora-")
+        self.root, self._root_fd = paths.owned_folder(shm, "magrpo-lora-")
         self.version = 0
         self.lora: dict[int, object] = {}  # agent index -> its current LoRARequest
         self.fingerprints: dict[int, torch.Tensor] = {}
@@ -334,3 +337,6 @@ class VLLMBackend:
             engine.llm_engine.engine_core.shutdown()
         self.engines.clear()
         shutil.rmtree(self.root, ignore_errors=True)
+        if self._root_fd is not None:
+            os.close(self._root_fd)  # the folder is gone: nothing for a later sweep
+            self._root_fd = None
