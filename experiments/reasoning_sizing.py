@@ -25,14 +25,13 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # `python experiments/reasoning_sizing.py` from a clean clone: this checkout's magrpo
     sys.path.insert(0, str(ROOT))
 
-from magrpo.envs.reasoning.tasks import reader  # noqa: E402  (after the path line above)
+from magrpo.envs.reasoning.tasks import tag_or_last_number  # noqa: E402  (after the path line above)
 
 STREAM = 13  # sampling stream of these paths (training 0, evaluation 1, code_learning 7, easy_difficulty 11)
 CANDIDATES = (  # short verifiable answers, 2-3 difficulties each
@@ -76,10 +75,9 @@ class Recorder:
         return getattr(self.backend, name)
 
 
-def lenient(text: str, extract) -> str | None:
-    """The tagged answer, else the reply's last number: env.answer_reading=tag_or_last_number's reading, used
-    here as a diagnostic of runs that read tags."""
-    return reader(SimpleNamespace(utils=SimpleNamespace(extract_answer=extract)), "tag_or_last_number")(text)
+# The tagged answer, else the reply's last number: env.answer_reading=tag_or_last_number's reading, used
+# here as a diagnostic of runs that read tags.
+lenient = tag_or_last_number
 
 
 def reply_stats(completions: list, extract) -> dict[str, float]:

@@ -28,6 +28,11 @@ class GenerationRequest:
     # takes no part in equality or hashing: a problem is a dict, and two requests are alike without it.
     context: Mapping[str, Any] | None = field(default=None, compare=False)
 
+    def budget(self, params: SamplingParams) -> int:
+        """New tokens this request may take in a call with `params`: its own budget, never the call's more."""
+        own = self.max_new_tokens
+        return params.max_new_tokens if own is None else min(own, params.max_new_tokens)
+
 
 @dataclass(frozen=True)
 class SamplingParams:

@@ -293,15 +293,19 @@ class TreeExpander:
             node.completions, node.joint = samples[i * self.n : (i + 1) * self.n], self.joint
         self.rollout.timings["gen_s"] += time.perf_counter() - t0
 
-    def scored_text(self, node: Node, agent: int, text: str) -> str:
-        """What the env scores of an agent's completion: the completion, or with external.history=continuation
-        the whole reply it continues (its earlier fragments and the feedback inserted between them, as the
-        model read them): the reply is the agent's answer, and a fragment alone ("the code above is right")
-        may hold none of it."""
-        if self.conversation is None or self.conversation.mode != "continuation":
-            return text
-        replies, prompts = node.response_history[agent], node.prompt_history[agent]
-        return "".join(f"{reply}\n\n{feedback}\n\n" for reply, feedback in zip(replies, prompts[1:])) + text
+    def scored_texts(self, node: Node) -> list[list[str]]:
+        """[agent][k]: what the env scores of each completion: the completion, or with
+        external.history=continuation the whole reply it continues (its earlier fragments and the feedback
+        inserted between them, as the model read them): the reply is the agent's answer, and a fragment
+        alone ("the code above is right") may hold none of it."""
+        whole = self.conversation is not None and self.conversation.mode == "continuation"
+        out = []
+        for agent, samples in enumerate(node.completions):
+            replies, prompts = node.response_history[agent], node.prompt_history[agent]
+            before = "".join(f"{reply}\n\n{feedback}\n\n" for reply, feedback in zip(replies, prompts[1:])) \
+                if whole else ""
+            out.append([before + c.text for c in samples])
+        return out
 
     def request(self, node: Node, agent: int, attempt: int, context: Any = None) -> GenerationRequest:
         """In a conversation the prompt is the first one, and the chat so far its continuation."""
@@ -324,8 +328,7 @@ class TreeExpander:
         rewards (None when the env gave none; a joint action without them gives every agent the team's)."""
         t0 = time.perf_counter()
         n, joint = self.n, self.joint
-        texts = [[self.scored_text(node, a, node.completions[a][j[a]].text) for a in range(n)]
-                 for node in nodes for j in joint]
+        texts = [[scored[a][j[a]] for a in range(n)] for scored in map(self.scored_texts, nodes) for j in joint]
         infos = [self.completion_info(node, j) for node in nodes for j in range(len(joint))]
         owners = [self.problems[node.tree] for node in nodes for _ in joint]
         scored, failed = score_guarded(self.env, owners, texts, infos, self.tree.on_reward_error, turn,

@@ -219,9 +219,8 @@ class ToolScriptBackend:
             ends = sorted((text.index(s) + len(s), s not in r.stop) for s in (*r.stop, *params.stop) if s in text)
             finished = not ends or not ends[0][1]
             text = text[: ends[0][0]] if ends else text
-            budget = params.max_new_tokens if r.max_new_tokens is None else r.max_new_tokens
-            if len(text) > budget:
-                text, finished = text[:budget], False
+            if len(text) > r.budget(params):
+                text, finished = text[: r.budget(params)], False
             ids = self.ids(r.agent, text)
             out.append([Completion(ids, text, [len(r.prompt), *r.continuation], finished,
                                    [-0.5] * len(ids) if params.logprobs else None) for _ in range(r.n)])

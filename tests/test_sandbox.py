@@ -542,7 +542,7 @@ def test_cgroup_v2_groups_are_made_with_their_limits_and_killed_with_cgroup_kill
     assert (found.folders[""] / "cgroup.subtree_control").read_text() == "+memory +pids"
     monkeypatch.setattr(cgroups, "hierarchy", lambda: found)
     group = cgroups.create(300, 66)
-    folder = group.folders[0]
+    folder = group.folders[""]
     assert group.procs == [str(folder / "cgroup.procs")]
     assert [(folder / key).read_text() for key in ("memory.max", "memory.swap.max", "pids.max")] == \
         [str(300 << 20), "0", "66"]

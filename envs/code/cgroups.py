@@ -41,11 +41,11 @@ _lock = threading.Lock()
 
 @dataclass
 class Hierarchy:
-    """Where this trainer makes its sandboxes' groups: one folder per controller (v1) or one (v2)."""
+    """Where this trainer makes its sandboxes' groups: one folder per controller (v1: memory, pids and,
+    where there is one, the freezer, which stops a tree before it is killed) or one (v2, under "")."""
 
     version: int  # 1 or 2
-    folders: dict[str, Path]  # controller -> this trainer's folder (v2: the one folder, under "")
-    freezer: Path | None = None  # v1 only: stops a tree before it is killed
+    folders: dict[str, Path]  # controller -> this trainer's folder
     stale: list[Path] = field(default_factory=list)  # groups whose processes were killed, not yet empty
 
 
@@ -54,22 +54,21 @@ class Group:
     """One sandbox's group: join its `procs` files first thing, `kill()` and `remove()` when done."""
 
     hierarchy: Hierarchy
-    folders: list[Path]  # every controller's folder of this group (the freezer's included)
+    folders: dict[str, Path]  # controller -> this group's folder (as the hierarchy's)
 
     @property
     def procs(self) -> list[str]:
-        return [str(folder / "cgroup.procs") for folder in self.folders]
+        return [str(folder / "cgroup.procs") for folder in self.folders.values()]
 
     def pids(self) -> set[int]:
-        found: set[int] = set()
-        for folder in self.folders:
-            with contextlib.suppress(OSError, ValueError):
-                found.update(int(line) for line in (folder / "cgroup.procs").read_text().split())
-        return found
+        """Its processes: every controller's folder lists the same ones (the join adds each to all)."""
+        with contextlib.suppress(OSError, ValueError):
+            return {int(line) for line in (next(iter(self.folders.values())) / "cgroup.procs").read_text().split()}
+        return set()
 
     def kill(self) -> None:
         """SIGKILL every process in the group, those that left their session and process group too."""
-        if self.hierarchy.version == 2 and _write(self.folders[0] / "cgroup.kill", "1"):
+        if self.hierarchy.version == 2 and _write(self.folders[""] / "cgroup.kill", "1"):
             return
         frozen = self._freeze("FROZEN")  # no fork between the listing and the kill
         try:
@@ -88,11 +87,9 @@ class Group:
 
     def _freeze(self, state: str) -> bool:
         if self.hierarchy.version == 2:
-            return _write(self.folders[0] / "cgroup.freeze", "1" if state == "FROZEN" else "0")
-        if self.hierarchy.freezer is None:
-            return False
-        folder = self.folders[-1]
-        if not _write(folder / "freezer.state", state):
+            return _write(self.folders[""] / "cgroup.freeze", "1" if state == "FROZEN" else "0")
+        folder = self.folders.get("freezer")
+        if folder is None or not _write(folder / "freezer.state", state):
             return False
         for _ in range(200):  # freezing is asynchronous: FREEZING until every task has stopped
             if state != "FROZEN" or _read(folder / "freezer.state") == "FROZEN":
@@ -102,7 +99,7 @@ class Group:
 
     def remove(self) -> None:
         """rmdir the group's folders; those still holding dying processes are retried later."""
-        for folder in self.folders:
+        for folder in self.folders.values():
             if not _rmdir(folder):
                 with _lock:
                     self.hierarchy.stale.append(folder)
@@ -228,8 +225,7 @@ def _v1(mounts: dict[str, Path], own: dict[str, str], name: str) -> Hierarchy | 
         if folder is not None:
             folders[controller] = folder
     if "memory" in folders and "pids" in folders:
-        freezer = folders.pop("freezer", None)
-        return Hierarchy(1, folders, freezer)
+        return Hierarchy(1, folders)
     for folder in folders.values():
         _rmdir(folder)
     return None
@@ -265,13 +261,13 @@ def hierarchy(root: str = CGROUP_ROOT) -> Hierarchy | None:
 def sweep() -> None:
     """Kill and remove what trainers killed with -9 left beside this one's folders (done at start-up)."""
     found = hierarchy()
-    for folder in [*found.folders.values(), *([found.freezer] if found.freezer else [])] if found else ():
+    for folder in found.folders.values() if found else ():
         _sweep(folder.parent)
 
 
 def _close(found: Hierarchy) -> None:
     deadline = time.monotonic() + 2  # killed processes may take a moment to leave their groups
-    for folder in [*found.stale, *found.folders.values(), *([found.freezer] if found.freezer else [])]:
+    for folder in [*found.stale, *found.folders.values()]:
         _rmdir_soon(folder, max(0.0, deadline - time.monotonic()))
 
 
@@ -285,27 +281,25 @@ def create(memory_mb: int, max_processes: int) -> Group | None:
         stale, found.stale = found.stale, []
     found.stale.extend(folder for folder in stale if not _rmdir(folder))
     name = f"sandbox-{next(_counter)}"
-    parents = [*found.folders.values(), *([found.freezer] if found.freezer else [])]
-    folders = []
-    for parent in parents:
+    folders: dict[str, Path] = {}
+    for controller, parent in found.folders.items():
         folder = parent / name
         try:
             folder.mkdir()
         except OSError as e:
-            for made in folders:
+            for made in folders.values():
                 _rmdir(made)
             raise RuntimeError(f"could not make the sandbox's cgroup {folder}: {e}") from None
-        folders.append(folder)
+        folders[controller] = folder
     group = Group(found, folders)
-    limit = str(memory_mb << 20)
+    limit, tasks = str(memory_mb << 20), str(max_processes)
     if found.version == 2:
-        settings = [("memory.max", limit), ("memory.swap.max", "0"), ("pids.max", str(max_processes))]
-        by_folder = {folders[0]: settings}
+        by_controller = {"": [("memory.max", limit), ("memory.swap.max", "0"), ("pids.max", tasks)]}
     else:
-        memory, pids = folders[0], folders[1]
-        by_folder = {memory: [("memory.limit_in_bytes", limit), ("memory.memsw.limit_in_bytes", limit)],
-                     pids: [("pids.max", str(max_processes))]}
-    for folder, settings in by_folder.items():
+        by_controller = {"memory": [("memory.limit_in_bytes", limit), ("memory.memsw.limit_in_bytes", limit)],
+                         "pids": [("pids.max", tasks)]}
+    for controller, settings in by_controller.items():
+        folder = folders[controller]
         for key, value in settings:
             if key in OPTIONAL and not (folder / key).exists():
                 continue
@@ -329,8 +323,8 @@ def pins_oom_score() -> bool:
 def describe(memory_mb: int, max_processes: int) -> tuple[str, bool]:
     """One line for start-up, which limits hold for a whole sandbox here and which do not; and whether
     they all hold."""
-    found = hierarchy()
-    oom = ("oom_score_adj pinned at 1000" if pins_oom_score() else
+    found, pinned = hierarchy(), pins_oom_score()
+    oom = ("oom_score_adj pinned at 1000" if pinned else
            "oom_score_adj set to 1000 but not pinned (no CAP_SYS_RESOURCE): a program can lower it")
     if found is None:
         return ("sandbox limits: no cgroup here (not root, and no delegated cgroup v2 subtree with memory and "
@@ -339,4 +333,4 @@ def describe(memory_mb: int, max_processes: int) -> tuple[str, bool]:
                 f"{oom}"), False
     return (f"sandbox limits: a cgroup v{found.version} per sandbox: {memory_mb} MB of memory for all its "
             f"processes, tmpfs included, at most {max_processes} tasks, every process killed at the end; "
-            f"{oom}"), pins_oom_score()
+            f"{oom}"), pinned

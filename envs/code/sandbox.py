@@ -235,8 +235,8 @@ class Slot:
 
 
 # The sandbox's first process, before it execs bwrap (or, unsafe, the candidate): it joins its cgroup, so
-# that nothing of the sandbox ever runs outside it, and sets oom_score_adj to 1000; written by root (who
-# has CAP_SYS_RESOURCE) that is also the floor below which the program cannot set it back.
+# that nothing of the sandbox ever runs outside it, and sets oom_score_adj to 1000; written by a process with
+# CAP_SYS_RESOURCE (root, outside some containers) that is also a floor the program cannot go below.
 JOIN = ('while [ "$1" != -- ]; do echo $$ > "$1" || { echo "magrpo-sandbox: cannot join the cgroup $1" >&2; '
         'exit 125; }; shift; done; shift; echo 1000 > /proc/self/oom_score_adj 2>/dev/null; exec "$@"')
 SETUP_FAILED = (b"bwrap:", b"magrpo-sandbox:")  # stderr of a sandbox that never started: not the program's fault
@@ -384,12 +384,7 @@ def _run(program: Program, limits: SandboxLimits, slot: Slot) -> RunResult:
                 _judges.release(judge)
             else:
                 judge.kill()
-    if "setup_error" in facts:
-        raise RuntimeError(f"sandbox setup failed, nothing was run: {facts['setup_error']}")
-    if "ready" not in facts and returncode is not None and err.data.startswith(SETUP_FAILED):
-        # bwrap itself failed (e.g. out of user namespaces): the machine's fault, never a score of 0
-        reason = err.data.decode("utf-8", "replace").splitlines()[0]
-        raise RuntimeError(f"sandbox setup failed, nothing was run: {reason}")
+    check_started(facts, returncode, bytes(err.data))
     if not judge_ok:  # no verdict in time (or a judge that failed: its message says why)
         error = str(message["error"]) if message is not None and "error" in message else "timeout"
         cases = [CaseResult(False, error)] * len(program.cases)
@@ -402,6 +397,16 @@ def _run(program: Program, limits: SandboxLimits, slot: Slot) -> RunResult:
     return RunResult(cases=cases, timed_out="timeout" in kinds, crashed="crashed" in kinds,
                      stdout=out.data.decode("utf-8", "replace"), stderr=err.data.decode("utf-8", "replace"),
                      duration_s=time.monotonic() - start, isolation=limits.mode)
+
+
+def check_started(facts: dict, returncode: int | None, stderr: bytes) -> None:
+    """RuntimeError when the sandbox never ran the program: the candidate's own setup failed, or bwrap
+    (or the cgroup join before it) did, e.g. out of user namespaces: the machine's fault, never a score of 0."""
+    if "setup_error" in facts:
+        raise RuntimeError(f"sandbox setup failed, nothing was run: {facts['setup_error']}")
+    if "ready" not in facts and returncode is not None and stderr.startswith(SETUP_FAILED):
+        reason = stderr.decode("utf-8", "replace").splitlines()[0]
+        raise RuntimeError(f"sandbox setup failed, nothing was run: {reason}")
 
 
 def _drain_status(sel: selectors.BaseSelector, status_r: int, sink: _Capped) -> bytes:

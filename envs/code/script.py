@@ -12,7 +12,6 @@ from dataclasses import asdict, dataclass
 
 from .sandbox import (
     DRAIN_S,
-    SETUP_FAILED,
     SandboxLimits,
     Slot,
     _Capped,
@@ -21,6 +20,7 @@ from .sandbox import (
     _signalled,
     _spawn,
     _status,
+    check_started,
     confinement,
     watch_pid1,
 )
@@ -99,11 +99,7 @@ def _run(data: bytes, limits: SandboxLimits, slot: Slot) -> ScriptResult:
                 os.close(pidfd)
             os.close(status_r)
     facts = _status(bytes(status.data))
-    if "setup_error" in facts:
-        raise RuntimeError(f"sandbox setup failed, nothing was run: {facts['setup_error']}")
-    if "ready" not in facts and returncode is not None and err.data.startswith(SETUP_FAILED):
-        reason = err.data.decode("utf-8", "replace").splitlines()[0]
-        raise RuntimeError(f"sandbox setup failed, nothing was run: {reason}")
+    check_started(facts, returncode, bytes(err.data))
     if returncode is not None and limits.mode == "bwrap":
         returncode = _signalled(returncode)
     return ScriptResult(returncode, out.data.decode("utf-8", "replace"), err.data.decode("utf-8", "replace"),

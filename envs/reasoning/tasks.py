@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import re
 from typing import Any, Callable, Mapping
 
@@ -21,21 +22,20 @@ ANSWER_READINGS = ("tags", "tag_or_last_number")  # env.answer_reading
 LAST_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
+def tag_or_last_number(text: str, extract: Callable[[str], str | None]) -> str | None:
+    """The answer `extract` finds in the reply (its tag), else the reply's last number; None: neither."""
+    tagged = extract(text)
+    if tagged is not None:
+        return tagged
+    numbers = LAST_NUMBER.findall(text)
+    return numbers[-1] if numbers else None
+
+
 def reader(rg: Any, how: str) -> Callable[[str], str | None]:
     """How an answer is read from a reply: `tags`, the library's extract_answer (the last
     <answer>...</answer>; None without one); `tag_or_last_number`, the tag, else the reply's last number."""
     extract = rg.utils.extract_answer
-    if how == "tags":
-        return extract
-
-    def tag_or_last_number(text: str) -> str | None:
-        tagged = extract(text)
-        if tagged is not None:
-            return tagged
-        numbers = LAST_NUMBER.findall(text)
-        return numbers[-1] if numbers else None
-
-    return tag_or_last_number
+    return extract if how == "tags" else functools.partial(tag_or_last_number, extract=extract)
 
 
 def library() -> Any:

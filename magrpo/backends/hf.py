@@ -95,7 +95,7 @@ class HFBackend:
         slot = {r: i for i, r in enumerate(unique)}
         expand = torch.tensor([slot[r] for r in rows])
         stops = [(*requests[r].stop, *params.stop) for r in rows]  # the agent's (end the turn), the tool loop's (pause)
-        budgets = [budget(requests[r], params) for r in rows]
+        budgets = [requests[r].budget(params) for r in rows]
         check = StopCheck(tok, stops) if any(stops) else None
         if any(b < params.max_new_tokens for b in budgets):  # a row at its own budget leaves the batch
             check = BudgetCheck(budgets, check)
@@ -139,12 +139,6 @@ class HFBackend:
         batch, row = where
         if batch.lengths[row] >= len(tokens):
             self.kept.keep(agent, RowState(tuple(tokens), batch, row))
-
-
-def budget(request: GenerationRequest, params: SamplingParams) -> int:
-    """The request's own budget of new tokens, never more than the call's."""
-    own = request.max_new_tokens
-    return params.max_new_tokens if own is None else min(own, params.max_new_tokens)
 
 
 class BudgetCheck:

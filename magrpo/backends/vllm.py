@@ -230,9 +230,7 @@ class VLLMBackend:
         # text wins; the request's own come first, so they win a tie (the HF backend's rule too).
         stops = [*request.stop, *params.stop]
         stop = dict(stop=stops, include_stop_str_in_output=True) if stops else {}
-        budget = params.max_new_tokens if request.max_new_tokens is None else min(request.max_new_tokens,
-                                                                                   params.max_new_tokens)
-        return vllm.SamplingParams(n=request.n, max_tokens=budget, stop_token_ids=eos,
+        return vllm.SamplingParams(n=request.n, max_tokens=request.budget(params), stop_token_ids=eos,
                                    detokenize=bool(stops), logprobs=0 if params.logprobs else None,
                                    seed=request.seed, **stop, **shape)
 
