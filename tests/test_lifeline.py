@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -47,13 +48,20 @@ USERS = ["root", pytest.param("unprivileged", marks=pytest.mark.skipif(
 
 @pytest.mark.parametrize("user", USERS)
 def test_everything_dies_with_a_trainer_killed_by_sigkill(user):
-    python, prefix = sys.executable, []
+    python, prefix, modules, daemons = sys.executable, [], str(ROOT / "magrpo"), DAEMONS
     if user == "unprivileged":  # the venv may sit where another user cannot read: the system's Python
         python = shutil.which("python3", path="/usr/bin:/bin")
         if python is None:
             pytest.skip("no system python3 to run as another user")
         prefix = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
-    trainer = subprocess.Popen([*prefix, python, "-c", TRAINER, str(ROOT / "magrpo"), DAEMONS],
+        # and the checkout may too (a clone in a mktemp -d folder, mode 0700): the two files, where it can
+        shared = Path(tempfile.mkdtemp(prefix="magrpo-lifeline-test-"))
+        for source in (ROOT / "magrpo" / "lifeline.py", Path(DAEMONS)):
+            shutil.copy(source, shared)
+        for path in (shared, *shared.iterdir()):
+            path.chmod(0o755)
+        modules, daemons = str(shared), str(shared / "daemons.py")
+    trainer = subprocess.Popen([*prefix, python, "-c", TRAINER, modules, daemons],
                                stdout=subprocess.PIPE, text=True)
     pids: list[int] = []
     try:
@@ -61,6 +69,8 @@ def test_everything_dies_with_a_trainer_killed_by_sigkill(user):
         assert all(alive(p) for p in pids)
     finally:
         left = after_sigkill(trainer, pids)
+        if modules != str(ROOT / "magrpo"):
+            shutil.rmtree(modules)
     assert left == []
 
 
