@@ -1,8 +1,10 @@
 """Checkpoints that resume exactly: written atomically, verified, found again by `resume=auto`.
 
 A checkpoint is RUN_DIR/checkpoints/step_NNNNNN/ with
-    agent_{i}/            the adapter in peft format (usable on its own)
-    agent_{i}/train.pt    the exact trainable tensors, optimizer and scheduler state
+    agent_{i}/            the adapter in peft format, or a full agent's model and tokenizer (usable on
+                          their own)
+    agent_{i}/train.pt    the exact trainable tensors (a full agent's are its model's safetensors,
+                          by name, when they hold them all), optimizer and scheduler state
     trainer.pt            step counters, data order, and per process: RNG states and env counters
     config.json           the run's resolved config
     COMPLETE              written last: the step and a sha256 of every other file
@@ -124,14 +126,43 @@ def _write(tmp: Path, step: int, agents: Sequence[Any], updaters: Sequence[Any],
            config: dict[str, Any]) -> None:
     for agent, updater in zip(agents, updaters):
         folder = agent.save(tmp)
-        torch.save({
-            "params": [p.detach().cpu().clone() for p in updater.params],
+        in_folder = getattr(agent, "full", False) and _saved_names(folder) >= set(_param_names(agent))
+        torch.save({  # a full agent's weights once, not twice: its model folder has them exactly
+            "params": None if in_folder else [p.detach().cpu().clone() for p in updater.params],
             "optimizer": updater.optimizer.state_dict(),
             "scheduler": updater.scheduler.state_dict(),
         }, folder / "train.pt")
     torch.save(trainer_state, tmp / "trainer.pt")
     (tmp / "config.json").write_text(json.dumps(config, indent=2, default=str))
     (tmp / "COMPLETE").write_text(json.dumps({"step": step, "sha256": checksums(tmp)}, indent=1))
+
+
+def _param_names(agent: Any) -> list[str]:
+    """A full agent's parameter names, in the order of its trainable parameters (tied weights once)."""
+    return [name for name, _ in agent.model.named_parameters()]
+
+
+def _saved_names(folder: Path) -> set[str]:
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for path in folder.glob("*.safetensors"):
+        with safe_open(str(path), "pt") as f:
+            names.update(f.keys())
+    return names
+
+
+def _saved_weights(folder: Path, names: Sequence[str]) -> list[torch.Tensor]:
+    """The tensors `names` from a model folder's safetensors (what `_write` wrote for a full agent)."""
+    from safetensors.torch import load_file
+
+    found: dict[str, torch.Tensor] = {}
+    for path in folder.glob("*.safetensors"):
+        found.update(load_file(str(path)))
+    missing = [n for n in names if n not in found]
+    if missing:
+        raise KeyError(f"{folder} lacks weight {missing[0]!r}")
+    return [found[n] for n in names]
 
 
 def checksums(folder: Path) -> dict[str, str]:
@@ -319,6 +350,9 @@ def read(path: Path, agents: Sequence[Any], updaters: Sequence[Any]) -> dict[str
         trainer_state = torch.load(path / "trainer.pt", weights_only=False, map_location="cpu")
         parts = [torch.load(path / agent.adapter / "train.pt", weights_only=False, map_location="cpu")
                  for agent in agents]
+        for agent, part in zip(agents, parts):
+            if part["params"] is None:  # a full agent's weights: in its model folder
+                part["params"] = _saved_weights(path / agent.adapter, _param_names(agent))
     except Exception as e:  # noqa: BLE001  only a checkpoint without checksums gets here torn or garbled
         raise ConfigError("resume", f"checkpoint {path} does not load ({describe(e)}); "
                                     f"move it away or give another with resume=PATH; nothing was changed") from None

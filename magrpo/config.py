@@ -51,6 +51,14 @@ class AgentConfig:
     """This agent's own system message; null = model.system_prompt."""
     stop: Optional[list[str]] = None
     """This agent's own stop strings; null = generation.stop, [] = none for this agent."""
+    finetune: str = "lora"
+    """What this agent trains: lora (a LoRA adapter on a base model it may share with other agents) | full (every
+    weight of its own copy of the base model, as CoMLRL does; with trainer.kl_coef > 0 a frozen copy is kept as the
+    reference). Memory per full agent is stated at start-up (docs/configuration.md#agents-what-each-one-trains)."""
+    lr: Optional[float] = None
+    """This agent's own learning rate; null = trainer.lr."""
+    lora_r: Optional[int] = None
+    """This agent's own LoRA rank (finetune=lora); null = lora.r (the scale alpha / r follows it)."""
 
 
 @dataclass
@@ -442,6 +450,11 @@ def flatten(config: Any, prefix: str = "") -> dict[str, Any]:
 def under(key: str, names: Sequence[str]) -> bool:
     """key is one of names, or lies in a section named there (`logging` covers `logging.run_dir`)."""
     return any(key == name or key.startswith(name + ".") for name in names)
+
+
+def agent_entry(cfg: "TrainConfig", agent: int) -> AgentConfig:
+    """Agent `agent`'s own settings: its `agents` entry, or the defaults (all null: the run's own)."""
+    return cfg.agents[agent] if agent < len(cfg.agents) else AgentConfig()
 
 
 def choice(key: str, value: str, allowed: list[str], hint: str = "") -> None:

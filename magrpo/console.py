@@ -7,6 +7,22 @@ import signal
 import sys
 import threading
 import time
+from contextlib import contextmanager
+from typing import Iterator
+
+
+@contextmanager
+def quiet_progress_bars() -> Iterator[None]:
+    """transformers' own bars (loading and writing weights) off: the run's progress lines say what runs."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
 
 
 def startup_line(cfg, num_agents: int, processes: int, step_size: tuple[int, int], run_dir,

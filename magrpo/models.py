@@ -1,7 +1,11 @@
-"""Load base models and tokenizers, and give every agent its own LoRA adapter.
+"""Load base models and tokenizers, and give every agent what it trains: a LoRA adapter, or all the
+weights of a model of its own.
 
-Agents whose base model is the same share one model in memory with one adapter each; an agent
-with its own `agents[i].model` gets its own base. Adapters are named `agent_{i}`.
+`Agent` is the one seam that says what an agent is: the updater, the backends and checkpoints ask it
+for its trainable parameters, its reference policy and how to save it, never assume an adapter.
+LoRA agents whose base model is the same share one model in memory with one adapter each; an agent
+with its own `agents[i].model` gets its own base; a full agent (`agents[i].finetune=full`) always
+gets a model of its own. Adapters (and full agents' folders) are named `agent_{i}`.
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ from typing import TYPE_CHECKING, Iterator
 import torch
 
 from . import hub
+from .console import quiet_progress_bars
 from .errors import ConfigError, FetchError
 
 if TYPE_CHECKING:
@@ -122,17 +127,24 @@ def model_dtype(model_cfg) -> tuple[str, str]:
 @dataclass
 class Agent:
     index: int
-    model: torch.nn.Module  # a peft PeftModel, possibly shared with other agents
+    model: torch.nn.Module  # lora: a peft PeftModel, possibly shared with other agents; full: its own model
     tokenizer: object
     use_chat_template: bool
     model_path: str  # the base model's folder or hub id (a vLLM engine loads it by this)
     tool_schemas: tuple[dict, ...] = ()  # the tools the agent may call (docs/tools.md): shown in every prompt
     system_prompt: str = ""  # a system message before the first user message (model.system_prompt, agents[i])
     template_kwargs: dict = field(default_factory=dict)  # passed to apply_chat_template (model.chat_template_kwargs)
+    finetune: str = "lora"  # lora | full (agents[i].finetune)
+    reference: torch.nn.Module | None = None  # full agents with a KL term: a frozen copy of the initial weights
 
     @property
     def adapter(self) -> str:
+        """The agent's name in routing, checkpoints and the saved folders (its adapter's, for LoRA)."""
         return adapter_name(self.index)
+
+    @property
+    def full(self) -> bool:
+        return self.finetune == "full"
 
     def shows_tools(self) -> bool:
         return self.use_chat_template and "tools" in str(getattr(self.tokenizer, "chat_template", ""))
@@ -203,7 +215,33 @@ class Agent:
                 *tok(after, add_special_tokens=False)["input_ids"]]
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        if self.full:
+            return list(self.model.parameters())
         return [p for n, p in self.model.named_parameters() if f".{self.adapter}." in n]
+
+    def train_mode(self) -> None:
+        """Ready the model for this agent's update. Eval mode everywhere but LoRA's own dropout: the
+        model's dropout (attention, hidden) would otherwise make the trained log-probs differ from the
+        sampling ones for no gain. LoRA: this agent's adapter is the active, trainable one."""
+        if not self.full:
+            self.model.set_adapter(self.adapter)  # also makes only this adapter trainable
+        self.model.eval()
+        for name, module in self.model.named_modules():
+            if name.rsplit(".", 2)[-2:-1] == ["lora_dropout"]:  # peft: ...lora_dropout.<adapter>
+                module.train()
+
+    @contextmanager
+    def reference_model(self) -> Iterator[torch.nn.Module]:
+        """The reference policy of the KL term: the base model (LoRA: the same weights with the adapter
+        switched off; full: the frozen copy of the initial weights)."""
+        if not self.full:
+            with self.model.disable_adapter():
+                yield self.model
+            return
+        if self.reference is None:
+            raise RuntimeError(f"agent {self.index} trains all weights and was loaded without a reference copy "
+                               f"(load_agents keeps one when trainer.kl_coef > 0)")
+        yield self.reference
 
     def eos_ids(self) -> set[int]:
         ids = {self.tokenizer.eos_token_id}
@@ -212,13 +250,21 @@ class Agent:
         return {i for i in ids if i is not None}
 
     def save(self, root: Path) -> Path:
-        """Write `root/agent_{i}/` in peft's save_pretrained format; load it back with
-        PeftModel.from_pretrained(base, root / "agent_{i}")."""
+        """Write `root/agent_{i}/`: LoRA in peft's save_pretrained format (load it back with
+        PeftModel.from_pretrained(base, root / "agent_{i}")); a full agent as a whole model with its
+        tokenizer (AutoModelForCausalLM.from_pretrained(root / "agent_{i}"))."""
         import shutil
         import tempfile
 
-        # peft nests a non-"default" adapter under its name; save to a scratch dir and move it up.
         root.mkdir(parents=True, exist_ok=True)
+        if self.full:
+            target = root / self.adapter
+            shutil.rmtree(target, ignore_errors=True)
+            with quiet_progress_bars():
+                self.model.save_pretrained(target)
+            self.tokenizer.save_pretrained(target)
+            return target
+        # peft nests a non-"default" adapter under its name; save to a scratch dir and move it up.
         with tempfile.TemporaryDirectory(dir=root) as tmp:
             self.model.save_pretrained(tmp, selected_adapters=[self.adapter])
             target = root / self.adapter
@@ -271,60 +317,98 @@ def has_chat_template(folder: Path) -> bool | None:
         return None
 
 
+def full_dtype(model_cfg) -> tuple[str, str]:
+    """A full agent's weights dtype and why: model.dtype as set; auto is float32, since AdamW's steps on
+    bfloat16 weights round away (one ulp is 1/256 of a weight; an lr of 1e-5 moves a 0.02 weight by
+    1/2000 of itself) and no float32 master copy is kept."""
+    if model_cfg.dtype != "auto":
+        return model_cfg.dtype, "set by model.dtype"
+    return "float32", "auto: float32 for full-weight training"
+
+
 def load_agents(cfg: TrainConfig, num_agents: int, tool_schemas: tuple[dict, ...] = ()) -> list[Agent]:
-    """The agents of a run, each with its model (its adapter on a shared base, or a base of its own) and
-    tokenizer; `tool_schemas` (the run's Toolbox.schemas) are the tools every prompt shows."""
+    """The agents of a run, each with its model (its adapter on a shared base, a base of its own, or all
+    the weights of its own copy) and tokenizer; `tool_schemas` (the run's Toolbox.schemas) are the tools
+    every prompt shows. Full agents' memory is checked and stated before their copies load."""
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .config import agent_entry
 
     device = pick_device(cfg.model.device)
     dtype = getattr(torch, model_dtype(cfg.model)[0])
     targets = cfg.lora.target_modules
 
-    def lora() -> LoraConfig:  # fresh per use: peft writes the base model's name into the object
+    def lora(i: int) -> LoraConfig:  # fresh per use: peft writes the base model's name into the object
         return LoraConfig(
-            r=cfg.lora.r,
+            r=agent_entry(cfg, i).lora_r or cfg.lora.r,
             lora_alpha=cfg.lora.alpha,
             lora_dropout=cfg.lora.dropout,
             target_modules="all-linear" if list(targets) == ["all-linear"] else list(targets),
             task_type="CAUSAL_LM",
         )
 
+    names = agent_model_names(cfg, num_agents)
+    full = [i for i in range(num_agents) if agent_entry(cfg, i).finetune == "full"]
+    if full:
+        from .agent_memory import check_full_agents
+
+        paths = [resolve_model_path(names[i][0], names[i][1], cfg.model.tiny_hidden_size, cfg.model.tiny_layers)
+                 for i in full]
+        check_full_agents([(i, names[i][0], path) for i, path in zip(full, paths)], full_dtype(cfg.model),
+                          cfg.trainer.kl_coef > 0, device)
     shared: dict[str, tuple[torch.nn.Module, object, str]] = {}
     agents = []
-    for i, (name, key) in enumerate(agent_model_names(cfg, num_agents)):
-        if name not in shared:
-            path = resolve_model_path(name, key, cfg.model.tiny_hidden_size, cfg.model.tiny_layers)
-            cache_only = cache_only_for(path)
-            try:
-                with hub.cache_only(cache_only):
-                    tok = AutoTokenizer.from_pretrained(
-                        path, padding_side="left", trust_remote_code=cfg.model.trust_remote_code,
-                        local_files_only=cache_only,
-                    )
-                    base = AutoModelForCausalLM.from_pretrained(
-                        path, dtype=dtype, trust_remote_code=cfg.model.trust_remote_code, local_files_only=cache_only
-                    )
-            except OSError as e:  # not a local folder, and the hub has no such model or cannot be reached
-                if cache_only:
-                    raise ConfigError(key, f"cannot load {name!r}: the hub ({':'.join(map(str, hub.endpoint()))}) "
-                                           f"cannot be reached and the local cache holds no copy; give a local folder, "
-                                           f"or run once with network access") from None
-                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-                raise ConfigError(key, f"cannot load {name!r}: {first}") from None
-            if tok.pad_token is None:  # completions are cut at EOS from token ids, so pad == eos is safe
-                tok.pad_token = tok.eos_token
-            base.to(device)
-            with peft_deprecation_silenced():
-                model = get_peft_model(base, lora(), adapter_name=adapter_name(i))
-            shared[name] = (model, tok, path)
+    for i, (name, key) in enumerate(names):
+        if i in full:
+            model, tok, path = _load_model(cfg, name, key, getattr(torch, full_dtype(cfg.model)[0]), device)
+            reference = _frozen_copy(model) if cfg.trainer.kl_coef > 0 else None
         else:
-            shared[name][0].add_adapter(adapter_name(i), lora())
-        model, tok, path = shared[name]
+            if name not in shared:
+                base, tok, path = _load_model(cfg, name, key, dtype, device)
+                with peft_deprecation_silenced():
+                    shared[name] = (get_peft_model(base, lora(i), adapter_name=adapter_name(i)), tok, path)
+            else:
+                shared[name][0].add_adapter(adapter_name(i), lora(i))
+            (model, tok, path), reference = shared[name], None
         use_template = cfg.model.chat_template == "auto" and bool(getattr(tok, "chat_template", None))
-        own = cfg.agents[i].system_prompt if i < len(cfg.agents) else None
+        own = agent_entry(cfg, i)
         agents.append(Agent(index=i, model=model, tokenizer=tok, use_chat_template=use_template, model_path=path,
                             tool_schemas=tool_schemas,
-                            system_prompt=cfg.model.system_prompt if own is None else own,
-                            template_kwargs=dict(cfg.model.chat_template_kwargs)))
+                            system_prompt=cfg.model.system_prompt if own.system_prompt is None else own.system_prompt,
+                            template_kwargs=dict(cfg.model.chat_template_kwargs), finetune=own.finetune,
+                            reference=reference))
     return agents
+
+
+def _frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
+    import copy
+
+    reference = copy.deepcopy(model).eval()
+    reference.requires_grad_(False)
+    return reference
+
+
+def _load_model(cfg: TrainConfig, name: str, key: str, dtype: torch.dtype, device: torch.device):
+    """(model on `device`, its tokenizer, its folder or hub id); a failure to load is a ConfigError on `key`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve_model_path(name, key, cfg.model.tiny_hidden_size, cfg.model.tiny_layers)
+    cache_only = cache_only_for(path)
+    try:
+        with hub.cache_only(cache_only), quiet_progress_bars():
+            tok = AutoTokenizer.from_pretrained(
+                path, padding_side="left", trust_remote_code=cfg.model.trust_remote_code, local_files_only=cache_only,
+            )
+            model = AutoModelForCausalLM.from_pretrained(
+                path, dtype=dtype, trust_remote_code=cfg.model.trust_remote_code, local_files_only=cache_only
+            )
+    except OSError as e:  # not a local folder, and the hub has no such model or cannot be reached
+        if cache_only:
+            raise ConfigError(key, f"cannot load {name!r}: the hub ({':'.join(map(str, hub.endpoint()))}) "
+                                   f"cannot be reached and the local cache holds no copy; give a local folder, "
+                                   f"or run once with network access") from None
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(key, f"cannot load {name!r}: {first}") from None
+    if tok.pad_token is None:  # completions are cut at EOS from token ids, so pad == eos is safe
+        tok.pad_token = tok.eos_token
+    return model.to(device), tok, path

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
+from .console import quiet_progress_bars
 from .errors import ConfigError, FetchError, describe
 from .paths import CACHE_VAR, cache_root, damage, owned_folder, remove_tree, seal, sweep
 
@@ -171,18 +172,6 @@ def _caller_random_state_kept() -> Iterator[None]:
             np.random.set_state(numpy_state)
 
 
-@contextmanager
-def _quiet_progress_bars() -> Iterator[None]:
-    from transformers.utils import logging as hf_logging
-    was_enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            hf_logging.enable_progress_bar()
-
-
 def _train_tokenizer(spec: TinySpec, files: list[Path]):
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
@@ -235,7 +224,7 @@ def _build(spec: TinySpec, out: Path, files: list[Path]) -> None:
     torch.manual_seed(spec.seed)
     model = Qwen2ForCausalLM(config)
     model.generation_config = GenerationConfig(bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=pad_id)
-    with _quiet_progress_bars():
+    with quiet_progress_bars():
         hf_tok.save_pretrained(out)
         model.save_pretrained(out, safe_serialization=True)
     _verify(out, tok)

@@ -17,7 +17,7 @@ import torch
 from . import checkpoint, run_lock
 from .advantage import AdvantageSettings, assign_advantages
 from .backends import make_backend
-from .config import LimitsConfig, TrainConfig, check_finite
+from .config import LimitsConfig, TrainConfig, agent_entry, check_finite
 from .console import Interrupted, StopSignals, progress_bar, startup_line, summary_line
 from .distributed import World, world_from_env
 from .env import Environment, call_env, check_problem_prompts, check_prompt_sizes, make_env
@@ -217,7 +217,8 @@ class Run:
         self.conversation = conversation_of(cfg.external, self.agents)  # a template it cannot grow stops here
         self.backend = make_backend(cfg, self.agents, toolbox)
         self.has_tools = bool(toolbox)
-        self.updaters = [AgentUpdater(a, trainer.lr, trainer.weight_decay, trainer.warmup_steps) for a in self.agents]
+        self.updaters = [AgentUpdater(a, agent_entry(cfg, a.index).lr or trainer.lr, trainer.weight_decay,
+                                      trainer.warmup_steps) for a in self.agents]
         self.dir = run_dir
         # The same problem order on every rank; each takes its shard of every batch.
         self.sampler = ProblemSampler(env.problems("train"), trainer.seed)

@@ -190,15 +190,6 @@ def importance_weights(logp: torch.Tensor, samples: list[TrainSample], mask: tor
     return weight.clamp(max=tis_cap), stats
 
 
-def lora_train_mode(model: torch.nn.Module) -> None:
-    """Eval mode everywhere but the LoRA dropout: the frozen base model's own dropout (attention,
-    hidden) would otherwise make the trained log-probs differ from the sampling ones for no gain."""
-    model.eval()
-    for name, module in model.named_modules():
-        if name.rsplit(".", 2)[-2:-1] == ["lora_dropout"]:  # peft: ...lora_dropout.<adapter>
-            module.train()
-
-
 def trained_rows(samples: list[TrainSample], kl_coef: float) -> list[int]:
     """Zero-advantage sequences add nothing to the policy gradient: skip their forward unless a
     per-token term needs it (kl_coef: the sum of the KL and entropy coefficients)."""
@@ -258,8 +249,7 @@ class AgentUpdater:
         num_sequences, num_tokens, num_kept = counts or self.batch_counts(samples, s.per_token_coef, world)
         weights = sequence_weights(s.loss_agg, lengths, s.max_new_tokens, int(num_sequences), int(num_tokens))
         batches = micro_batches(samples, keep, micro_batch_size)
-        model.set_adapter(agent.adapter)  # also makes only this adapter trainable
-        lora_train_mode(model)
+        agent.train_mode()
         old_logps: list[torch.Tensor] = []
         ref_logps: list[torch.Tensor | None] = []
         is_weights: list[torch.Tensor | None] = []
@@ -346,6 +336,5 @@ class AgentUpdater:
 
     @torch.no_grad()
     def _reference_logprobs(self, batch: PackedBatch, temperature: float) -> torch.Tensor:
-        """The reference policy is the base model: the same weights with the adapter switched off."""
-        with self.agent.model.disable_adapter():
-            return forward_logprobs(self.agent.model, batch, temperature)[0]
+        with self.agent.reference_model() as reference:
+            return forward_logprobs(reference, batch, temperature)[0]

@@ -125,6 +125,7 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError("lora.target_modules", "must name at least one module (or [all-linear])")
     if not 0 <= cfg.lora.dropout < 1:
         raise ConfigError("lora.dropout", f"must be in [0, 1), got {cfg.lora.dropout}")
+    check_agent_entries(cfg)
     choice("model.dtype", cfg.model.dtype, ["auto", "bfloat16", "float16", "float32"])
     choice("model.chat_template", cfg.model.chat_template, ["auto", "never"])
     _check_device(cfg.model.device)
@@ -161,6 +162,25 @@ def validate(cfg: TrainConfig) -> None:
     for i, name in enumerate([cfg.model.name] + [a.model for a in cfg.agents if a.model]):
         key = "model.name" if i == 0 else "agents[].model"
         _check_model_name(key, name)
+
+
+FINETUNE_MODES = ("lora", "full")
+
+
+def check_agent_entries(cfg: TrainConfig) -> None:
+    """agents[i].finetune, lr and lora_r: each agent's own training settings."""
+    for i, agent in enumerate(cfg.agents):
+        choice(f"agents[{i}].finetune", agent.finetune, list(FINETUNE_MODES))
+        if agent.lr is not None:
+            above(f"agents[{i}].lr", agent.lr, 0)
+        if agent.lora_r is not None:
+            if agent.finetune == "full":
+                raise ConfigError(f"agents[{i}].lora_r", "is a LoRA rank, and this agent has finetune=full: "
+                                                         "drop the key, or use finetune=lora")
+            at_least(f"agents[{i}].lora_r", agent.lora_r, 1)
+        if agent.finetune == "full" and cfg.backend == "vllm":
+            raise ConfigError(f"agents[{i}].finetune", "full needs backend=hf for now (the vLLM engine serves "
+                                                       "LoRA adapters only); use finetune=lora with backend=vllm")
 
 
 def check_stop_strings(cfg: TrainConfig) -> None:

@@ -20,6 +20,16 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One intra-op thread for a module's tiny models (`pytestmark = pytest.mark.usefixtures(...)`): extra
+    threads only spin-wait, 100x slower on a busy 2-core box."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(autouse=True)
 def same_random_state_in_every_run():
     """Each test starts from seed 0 (torch, numpy, random). torch 2.13 seeds its default generator at

@@ -26,13 +26,7 @@ SAMPLES = [
 MAX_NEW_TOKENS = 6
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # the model is tiny: intra-op threads only add spin-wait overhead (100x slower on a busy 2-core box)
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

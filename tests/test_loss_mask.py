@@ -13,7 +13,7 @@ import torch
 from magrpo.distributed import World
 from magrpo.models import load_agents
 from magrpo.tree import Completion
-from magrpo.update import AgentUpdater, TrainSample, importance_weights, lora_train_mode, pack, sampler_logprobs
+from magrpo.update import AgentUpdater, TrainSample, importance_weights, pack, sampler_logprobs
 from tests.fakes import loss_settings, update_settings
 
 PROMPT = [5, 6, 7]
@@ -23,23 +23,21 @@ SETTINGS = update_settings(loss=loss_settings(kl_coef=0.3, entropy_coef=0.05), t
                            ppo_epochs=1, max_grad_norm=0.0, temperature=0.7)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()  # a tiny model: extra intra-op threads only spin on a busy box
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-@pytest.fixture(scope="module")
-def agent():
+@pytest.fixture(scope="module", params=["lora", "full"])
+def agent(request):
+    """A LoRA agent, and a full-weight one (whose reference is a frozen copy of its initial weights)."""
     from tests.conftest import SMALL, compose
 
-    agent = load_agents(compose([*SMALL, "lora.dropout=0.0"]), 1)[0]
+    cfg = compose([*SMALL, "lora.dropout=0.0", "trainer.kl_coef=0.3", f"agents=[{{finetune: {request.param}}}]"])
+    agent = load_agents(cfg, 1)[0]
+    assert agent.finetune == request.param
     torch.manual_seed(0)
-    with torch.no_grad():  # LoRA B starts at zero: move off the base model so the KL has a gradient
+    with torch.no_grad():  # LoRA B starts at zero, a full agent at its reference: move off so the KL has a gradient
         for p in agent.trainable_parameters():
-            p.add_(0.05 * torch.randn_like(p))
+            p.add_((0.05 if request.param == "lora" else 0.01) * torch.randn_like(p))
     return agent
 
 
@@ -94,8 +92,7 @@ def reference_gradient(agent, samples: list[TrainSample], settings=SETTINGS) -> 
     """A dense loop: each row run whole, unpadded ([prompt | completion], no KV-cache packing), and the
     on-policy loss (ratio 1) summed over the model's tokens by hand, token_mean over model tokens."""
     model, params, s = agent.model, agent.trainable_parameters(), settings
-    model.set_adapter(agent.adapter)
-    lora_train_mode(model)
+    agent.train_mode()
     for p in params:
         p.grad = None
     model_tokens = sum(sum(x.model_mask) if x.model_mask else len(x.completion_ids) for x in samples)
@@ -103,8 +100,8 @@ def reference_gradient(agent, samples: list[TrainSample], settings=SETTINGS) -> 
     for x in samples:
         c = len(x.completion_ids)
         logp, logits = dense_scores(model, x, s.temperature)
-        with torch.no_grad(), model.disable_adapter():
-            ref = dense_scores(model, x, s.temperature)[0]
+        with torch.no_grad(), agent.reference_model() as reference:
+            ref = dense_scores(reference, x, s.temperature)[0]
         probs = logits.softmax(-1)
         entropy = -(probs * logits.log_softmax(-1)).sum(-1)
         mask = x.model_mask or [True] * c

@@ -386,6 +386,7 @@ class RowAdapters:
         tuned = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
         plain = all(type(m) is Linear and not any(m.use_dora.values()) for m in tuned)
         self.layers = [m for m in tuned if isinstance(m, LoraLayer)] if plain else []
+        self.peft = bool(tuned)  # False: a full agent's own model, no adapter to route
         self.slices: list[tuple[str, slice]] = []
 
     @contextmanager
@@ -426,7 +427,7 @@ class RowAdapters:
         """Route the next forwards' rows to `adapters` (one name per row); returns the forward's extra
         keyword arguments."""
         if not self.layers:
-            return {"adapter_names": list(adapters)}
+            return {"adapter_names": list(adapters)} if self.peft else {}
         self.slices = []
         start = 0
         for end in range(1, len(adapters) + 1):
