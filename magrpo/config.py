@@ -409,7 +409,7 @@ class TrainConfig:
     """Environment: `name` picks a registered env; other keys are that env's own config."""
     backend: str = "hf"
     """Generation backend: hf (the trainer's own modules) | vllm (one vLLM engine per base model, one LoRA per
-    agent)."""
+    agent; a full-weight agent gets an engine of its own)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     agents: list[AgentConfig] = field(default_factory=list)
     """Per-agent overrides, e.g. agents=[{model: A},{model: B}]; empty = all agents share model.name."""

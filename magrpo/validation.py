@@ -178,9 +178,6 @@ def check_agent_entries(cfg: TrainConfig) -> None:
                 raise ConfigError(f"agents[{i}].lora_r", "is a LoRA rank, and this agent has finetune=full: "
                                                          "drop the key, or use finetune=lora")
             at_least(f"agents[{i}].lora_r", agent.lora_r, 1)
-        if agent.finetune == "full" and cfg.backend == "vllm":
-            raise ConfigError(f"agents[{i}].finetune", "full needs backend=hf for now (the vLLM engine serves "
-                                                       "LoRA adapters only); use finetune=lora with backend=vllm")
 
 
 def check_stop_strings(cfg: TrainConfig) -> None:

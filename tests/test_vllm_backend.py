@@ -175,6 +175,32 @@ def test_agents_with_their_own_base_model_get_one_engine_each(make_cfg, tmp_path
         backend.close()
 
 
+def test_a_full_agent_gets_its_own_engine_and_its_weights_are_reloaded_at_each_sync(make_cfg):
+    cfg = make_cfg("backend=vllm", "lora.r=4", "agents=[{finetune: full},{}]")
+    agents = load_agents(cfg, 2)
+    backend = make_backend(cfg, agents)
+    try:
+        assert len(backend.engines) == 2  # the full agent's, and the shared base's
+        requests = [GenerationRequest(p, a, 1) for p in PROMPTS for a in (0, 1)]
+        greedy = SamplingParams(max_new_tokens=12, greedy=True)
+        before = [c[0].token_ids for c in backend.generate(requests, greedy)]
+        assert before == [c[0].token_ids for c in HFBackend(agents).generate(requests, greedy)]
+        with torch.no_grad():  # a step far enough to change the greedy tokens
+            for p in agents[0].model.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+        with pytest.raises(SyncError, match="agent 0's weights changed since the last sync_weights"):
+            backend.generate(requests, greedy)
+        with pytest.raises(SyncError, match="engine's log-probs for agent 0 differ"):
+            backend.check_probe()  # the engine still holds the old weights
+        backend.sync_weights()
+        assert max(backend.check_probe().values()) < 1e-3
+        after = [c[0].token_ids for c in backend.generate(requests, greedy)]
+        assert after == [c[0].token_ids for c in HFBackend(agents).generate(requests, greedy)]
+        assert after[0::2] != before[0::2] and after[1::2] == before[1::2]  # only the full agent's moved
+    finally:
+        backend.close()
+
+
 # A trainer that starts the backend, passes on the processes that came with it (vLLM's engine core,
 # multiprocessing's resource tracker, our watcher) and waits to be killed.
 ENGINE_TRAINER = """

@@ -1,4 +1,5 @@
-"""vLLM backend: one engine per distinct base model, one LoRA per agent, adapter-only weight sync.
+"""vLLM backend: one engine per distinct base model, one LoRA per agent, adapter-only weight sync; a
+full-weight agent (`agents[i].finetune=full`) gets an engine of its own whose weights are reloaded.
 
 Each engine lives next to the trainer (colocated: vLLM's engine core is a child process of the
 trainer's) with prefix caching on, so the K samples of a request and the children of a node (whose
@@ -11,7 +12,9 @@ Under torchrun every process starts its own engines on its own share of the mach
 the engine is a world of its own, never a member of the trainer's process group.
 
 Weight sync: after every optimizer step the adapters are saved (not merged into the base) and
-registered under a new `lora_int_id`; the previous version is evicted. Two guards stop the run with
+registered under a new `lora_int_id`; the previous version is evicted. A full agent's model is saved
+whole and its engine reloads it in place (the worker's `reload_weights`), then drops its prefix cache:
+blocks computed under the old weights must not be reused. Two guards stop the run with
 `SyncError`: `sync_weights` checks that the engine's log-probs of a fixed probe sequence match the
 trainer's under the new adapter, and every `generate` checks that the trainer's adapters have not
 changed since the last sync (a skipped sync would otherwise sample from stale weights silently).
@@ -22,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import sys
 import tempfile
 import typing
 from collections import defaultdict
@@ -30,11 +34,12 @@ from typing import TYPE_CHECKING, Iterator, Mapping, Sequence
 import torch
 
 from .. import lifeline, paths
+from ..config import agent_entry
 from ..errors import ConfigError, SyncError
 from ..generation import GenerationRequest, SamplingParams
 from ..loss import token_logprobs
 from ..metrics import Gauge
-from ..models import Agent, model_dtype
+from ..models import Agent
 from ..tree import Completion
 from .base import encode_requests
 
@@ -66,8 +71,14 @@ def guard_tolerance(configured: float | None, dtype: str) -> float:
     return configured if configured is not None else GUARD_TOL[dtype]
 
 
+def engine_key(agent: Agent) -> str:
+    """Which engine serves the agent: LoRA agents share their base model's; a full agent has its own."""
+    return f"full:{agent.index}" if agent.full else agent.model_path
+
+
 def adapter_fingerprint(agent: Agent) -> torch.Tensor:
-    """Cheap exact summary of an agent's adapter: any optimizer step changes it."""
+    """Cheap exact summary of an agent's trainable weights (its adapter, or all of a full agent's): any
+    optimizer step changes it."""
     params = agent.trainable_parameters()
     return torch.stack(
         [torch.stack([p.detach().double().sum(), p.detach().double().abs().sum()]) for p in params]
@@ -133,7 +144,6 @@ class VLLMBackend:
     batch_setting = "vllm.gpu_memory_utilization"
 
     def __init__(self, agents: Sequence[Agent], cfg: TrainConfig):
-        import vllm
         from vllm.config.lora import MaxLoRARanks
 
         self.agents = list(agents)
@@ -145,31 +155,17 @@ class VLLMBackend:
             raise ConfigError("vllm.sleep_mode", "needs a CUDA GPU (vLLM's sleep mode frees GPU memory)")
         # The CPU build sizes its KV cache from this variable (read when the engine starts).
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.cfg.kv_cache_gb))
-        self.by_path: dict[str, list[Agent]] = defaultdict(list)
+        self.groups: dict[str, list[Agent]] = defaultdict(list)  # engine key -> the agents it serves
         for agent in self.agents:
-            self.by_path[agent.model_path].append(agent)
-        dtype = model_dtype(cfg.model)[0] if self.cfg.dtype == "auto" else self.cfg.dtype  # auto: the trainer's
-        self.guard_tol = guard_tolerance(self.cfg.guard_tol, dtype)
-        rank = lora_rank_for(cfg.lora.r, typing.get_args(MaxLoRARanks))
-        device = next(self.agents[0].model.parameters()).device
-        # The engine core (and its worker) are spawned here and read their environment when they start.
-        started_before = set(lifeline.children(os.getpid()))
-        with patched_environ(engine_env(os.environ, device, usable_cpus())):
-            self.engines = {
-                path: vllm.LLM(
-                    model=path, dtype=dtype, seed=cfg.trainer.seed, enforce_eager=self.cfg.enforce_eager,
-                    enable_lora=True, max_loras=len(group), max_lora_rank=rank, enable_prefix_caching=True,
-                    gpu_memory_utilization=self.cfg.gpu_memory_utilization,
-                    max_model_len=self.cfg.max_model_len or None, block_size=self.cfg.block_size or None,
-                    enable_sleep_mode=self.cfg.sleep_mode, trust_remote_code=cfg.model.trust_remote_code,
-                    # Completion.logprobs means "under the sampling distribution" (temperature, top-k/p), as in HF.
-                    logprobs_mode="processed_logprobs", disable_log_stats=False,
-                )
-                for path, group in self.by_path.items()
-            }
-        # vLLM's engine core (and multiprocessing's resource tracker) outlived a trainer killed with -9,
-        # holding the model's memory: a watcher ends them if this process dies (magrpo/lifeline.py).
-        lifeline.watch([pid for pid in lifeline.children(os.getpid()) if pid not in started_before])
+            self.groups[engine_key(agent)].append(agent)
+        ranks = [agent_entry(cfg, a.index).lora_r or cfg.lora.r for a in self.agents if not a.full]
+        rank = lora_rank_for(max(ranks), typing.get_args(MaxLoRARanks)) if ranks else 0
+        self.run_cfg, self.lora_rank = cfg, rank
+        self.restarted: set[str] = set()  # full agents' engines that could not reload in place
+        self.engines = {key: self._engine(group, group[0].model_path) for key, group in self.groups.items()}
+        # per engine: its dtype's (a full agent's may differ from the shared bases')
+        self.guard_tol = {key: guard_tolerance(self.cfg.guard_tol, self._dtype(group))
+                          for key, group in self.groups.items()}
         # The adapters' folder, held by this process (magrpo.paths.owned_folder): one that a trainer killed
         # with -9 left behind is removed here, by the next start.
         shm = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
@@ -182,22 +178,59 @@ class VLLMBackend:
         self._cache_seen = (0.0, 0.0)  # prefix-cache (queries, hits) already reported
         self.sync_weights()
 
+    def _dtype(self, group: list[Agent]) -> str:
+        """vllm.dtype, or with auto the dtype the trainer holds the group's weights in."""
+        if self.cfg.dtype != "auto":
+            return self.cfg.dtype
+        return str(next(group[0].model.parameters()).dtype).removeprefix("torch.")
+
+    def _engine(self, group: list[Agent], weights: str):
+        """An engine for `group` (its LoRA agents, or one full agent) on the model folder `weights`."""
+        import vllm
+
+        cfg = self.run_cfg
+        lora = {} if group[0].full else dict(enable_lora=True, max_loras=len(group), max_lora_rank=self.lora_rank)
+        device = next(group[0].model.parameters()).device
+        # The engine core (and its worker) are spawned here and read their environment when they start.
+        started_before = set(lifeline.children(os.getpid()))
+        with patched_environ(engine_env(os.environ, device, usable_cpus())):
+            engine = self._start(vllm, cfg, group, weights, lora)
+        # vLLM's engine core (and multiprocessing's resource tracker) outlived a trainer killed with -9,
+        # holding the model's memory: a watcher ends them if this process dies (magrpo/lifeline.py).
+        lifeline.watch([pid for pid in lifeline.children(os.getpid()) if pid not in started_before])
+        return engine
+
+    def _start(self, vllm, cfg: TrainConfig, group: list[Agent], weights: str, lora: dict):
+        return vllm.LLM(
+            model=weights, tokenizer=group[0].model_path, dtype=self._dtype(group), seed=cfg.trainer.seed,
+            enforce_eager=self.cfg.enforce_eager, enable_prefix_caching=True, **lora,
+            gpu_memory_utilization=self.cfg.gpu_memory_utilization,
+            max_model_len=self.cfg.max_model_len or None, block_size=self.cfg.block_size or None,
+            enable_sleep_mode=self.cfg.sleep_mode, trust_remote_code=cfg.model.trust_remote_code,
+            # Completion.logprobs means "under the sampling distribution" (temperature, top-k/p), as in HF.
+            logprobs_mode="processed_logprobs", disable_log_stats=False,
+        )
+
+    def _lora_requests(self, agents: Sequence[Agent]) -> list | None:
+        """The LoRARequest of each agent, or None for a full agent's engine (it serves its own weights)."""
+        return None if agents[0].full else [self.lora[a.index] for a in agents]
+
     # ---- generation -------------------------------------------------------------------------
     def generate(self, requests: Sequence[GenerationRequest], params: SamplingParams) -> list[list[Completion]]:
         from vllm.inputs import TokensPrompt
 
         self.check_fresh()
         results: list[list[Completion]] = [[] for _ in requests]
-        by_path: dict[str, list[int]] = defaultdict(list)
+        by_engine: dict[str, list[int]] = defaultdict(list)
         for r, req in enumerate(requests):
-            by_path[self.agents[req.agent].model_path].append(r)
-        for path, ids in by_path.items():
+            by_engine[engine_key(self.agents[req.agent])].append(r)
+        for key, ids in by_engine.items():
             prompt_ids = encode_requests(self.agents, requests, ids)
             eos = sorted(self.agents[requests[ids[0]].agent].eos_ids())
-            outputs = self.engines[path].generate(
+            outputs = self.engines[key].generate(
                 [TokensPrompt(prompt_token_ids=prompt_ids[r]) for r in ids],
                 [self._sampling(params, requests[r], eos) for r in ids],
-                lora_request=[self.lora[requests[r].agent] for r in ids],
+                lora_request=self._lora_requests([self.agents[requests[r].agent] for r in ids]),
                 use_tqdm=False,
             )
             self.generate_calls += 1
@@ -236,7 +269,8 @@ class VLLMBackend:
 
     # ---- weight sync and its guards ---------------------------------------------------------
     def sync_weights(self) -> None:
-        """Save every adapter as a new version, register it, evict the old one, check the probe."""
+        """Save every agent's weights as a new version (adapters: register it, evict the old one; a full
+        agent: reload its engine's weights from it), then check the probe."""
         from vllm.lora.request import LoRARequest
 
         self.wake_up()
@@ -245,52 +279,78 @@ class VLLMBackend:
         old = dict(self.lora)
         for agent in self.agents:
             path = agent.save(folder)
+            self.fingerprints[agent.index] = adapter_fingerprint(agent)
+            if agent.full:
+                self._sync_full(agent, path)
+                continue
             # lora_int_id must be new for every version: vLLM caches adapters by id.
             self.lora[agent.index] = LoRARequest(f"{agent.adapter}_v{self.version}",
                                                  self.version * len(self.agents) + agent.index + 1, str(path))
-            self.fingerprints[agent.index] = adapter_fingerprint(agent)
-        for path, group in self.by_path.items():
-            engine = self.engines[path].llm_engine
-            for agent in group:
-                if agent.index in old:
-                    engine.remove_lora(old[agent.index].lora_int_id)
-                engine.add_lora(self.lora[agent.index])
+            engine = self.engines[engine_key(agent)].llm_engine
+            if agent.index in old:
+                engine.remove_lora(old[agent.index].lora_int_id)
+            engine.add_lora(self.lora[agent.index])
         shutil.rmtree(self.root / f"v{self.version - 1}", ignore_errors=True)
         self.check_probe()
+
+    def _sync_full(self, agent: Agent, path) -> None:
+        """A full agent's engine takes the weights saved at `path`: reloaded in place where the engine
+        can (its worker's reload_weights, then its prefix cache dropped: blocks computed under the old
+        weights), checked with the probe; an engine that still serves the old weights (vLLM-CPU 0.32
+        packs its linear weights once, and an in-place reload leaves them as they were) is restarted
+        on them, now and at every later sync, said once."""
+        key = engine_key(agent)
+        if key not in self.restarted:
+            engine = self.engines[key]
+            engine.collective_rpc("reload_weights", kwargs={"weights_path": str(path)})
+            engine.reset_prefix_cache()
+            gap = self._probe_gaps(key)[agent.index]
+            if gap <= self.guard_tol[key]:
+                return
+            self.restarted.add(key)
+            print(f"magrpo: vLLM did not reload agent {agent.index}'s weights in place (probe gap {gap:.3f}); its "
+                  f"engine restarts on the new weights at every sync, which takes longer", file=sys.stderr)
+        self.engines[key].llm_engine.engine_core.shutdown()
+        self.engines[key] = self._engine(self.groups[key], str(path))
 
     def check_fresh(self) -> None:
         """Every adapter the engine serves is the trainer's current one (sync_weights ran after the last step)."""
         for agent in self.agents:
             if not torch.equal(adapter_fingerprint(agent), self.fingerprints[agent.index]):
-                raise SyncError(f"agent {agent.index}'s adapter changed since the last sync_weights (the engine "
+                what = "weights" if agent.full else "adapter"
+                raise SyncError(f"agent {agent.index}'s {what} changed since the last sync_weights (the engine "
                                 f"serves version {self.version}): generating now would sample from stale weights")
 
     def check_probe(self) -> dict[int, float]:
         """Mean |log p_engine - log p_trainer| over the probe sequence, per agent; raises above guard_tol."""
+        gaps = {}
+        for key in self.groups:
+            tol = self.guard_tol[key]
+            for index, gap in self._probe_gaps(key).items():
+                gaps[index] = gap
+                if gap > tol:
+                    raise SyncError(f"after sync {self.version} the engine's log-probs for agent {index} differ "
+                                    f"from the trainer's by {gap:.4f} per token (vllm.guard_tol={tol}): "
+                                    f"the engine does not serve the weights the trainer just produced")
+        return gaps
+
+    def _probe_gaps(self, key: str) -> dict[int, float]:
+        """Per agent of engine `key`: mean |log p_engine - log p_trainer| over the probe sequence."""
         from vllm import SamplingParams as VSamplingParams
         from vllm.inputs import TokensPrompt
 
-        gaps = {}
-        for path, group in self.by_path.items():
-            ids = group[0].tokenizer(PROBE_TEXT, add_special_tokens=False)["input_ids"]
-            # One request per call: with several, vLLM-CPU 0.32's LoRA logits path indexes adapters per
-            # request, not per prompt token, and prompt log-probs crash the engine (an einsum shape
-            # error; seen with SmolLM2-135M, not with the tiny model; cf. vllm-project/vllm#29955).
-            outs = [self.engines[path].generate(
-                [TokensPrompt(prompt_token_ids=ids)],
-                VSamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False),
-                lora_request=[self.lora[a.index]], use_tqdm=False)[0] for a in group]
-            engine = torch.tensor(
-                [[out.prompt_logprobs[t][ids[t]].logprob for t in range(1, len(ids))] for out in outs]
-            )
-            trainer = self._trainer_logprobs(group, ids)
-            for agent, gap in zip(group, (engine - trainer).abs().mean(-1).tolist()):
-                gaps[agent.index] = gap
-                if gap > self.guard_tol:
-                    raise SyncError(f"after sync {self.version} the engine's log-probs for agent {agent.index} differ "
-                                    f"from the trainer's by {gap:.4f} per token (vllm.guard_tol={self.guard_tol}): "
-                                    f"the engine does not serve the adapter the trainer just produced")
-        return gaps
+        group = self.groups[key]
+        ids = group[0].tokenizer(PROBE_TEXT, add_special_tokens=False)["input_ids"]
+        # One request per call: with several, vLLM-CPU 0.32's LoRA logits path indexes adapters per
+        # request, not per prompt token, and prompt log-probs crash the engine (an einsum shape
+        # error; seen with SmolLM2-135M, not with the tiny model; cf. vllm-project/vllm#29955).
+        outs = [self.engines[key].generate(
+            [TokensPrompt(prompt_token_ids=ids)],
+            VSamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False),
+            lora_request=self._lora_requests([a]), use_tqdm=False)[0] for a in group]
+        engine = torch.tensor([[out.prompt_logprobs[t][ids[t]].logprob for t in range(1, len(ids))] for out in outs])
+        trainer = self._trainer_logprobs(group, ids)
+        return {agent.index: gap for agent, gap in zip(group, (engine - trainer).abs().mean(-1).tolist())}
 
     @torch.no_grad()
     def _trainer_logprobs(self, group: list[Agent], ids: list[int]) -> torch.Tensor:
@@ -299,7 +359,8 @@ class VLLMBackend:
         batch = torch.tensor([ids] * len(group), device=device)
         was_training = model.training
         model.eval()
-        logits = model(input_ids=batch, adapter_names=[a.adapter for a in group]).logits
+        routing = {} if group[0].full else {"adapter_names": [a.adapter for a in group]}
+        logits = model(input_ids=batch, **routing).logits
         model.train(was_training)
         return token_logprobs(logits, batch)[:, 1:].cpu()
 
