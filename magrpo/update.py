@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -222,6 +222,45 @@ class UpdateSettings:
                    temperature=cfg.generation.temperature)
 
 
+@dataclass
+class FirstPass:
+    """What an update's first epoch records per micro-batch, before the weights move: the behaviour
+    log-probs (the clip's old policy), the reference's, the importance weights, and sums for metrics."""
+
+    old_logps: list[torch.Tensor] = field(default_factory=list)
+    ref_logps: list[torch.Tensor | None] = field(default_factory=list)
+    is_weights: list[torch.Tensor | None] = field(default_factory=list)
+    entropy_sum: float = 0.0
+    mismatch: dict[str, float] = field(default_factory=lambda: dict.fromkeys(MISMATCH_KEYS, 0.0))
+
+
+def step_metrics(summed: dict[str, float], mismatch: dict[str, float], tis_cap: float, *, grad_norm: float,
+                 lr: float, skipped: int, mean_length: float) -> dict[str, float]:
+    """An update's numbers from its sums over all ranks."""
+    tokens = max(1.0, summed["trained_tokens"])
+    out = {
+        "loss": summed["loss"],
+        "clip_frac": summed["clipped_tokens"] / tokens,
+        "clip_frac_high": summed["clipped_high_tokens"] / tokens,
+        "kl": summed["kl_sum"] / tokens,
+        "grad_norm": grad_norm,
+        "lr": lr,
+        "completion_len": mean_length,
+        "trained_seqs": summed["trained_seqs"],
+        "skipped_updates": float(skipped),
+    }
+    if summed["masked_rows"]:  # some completion carried inserted tokens (tools): their share, out of the loss
+        out["masked_token_share"] = summed["inserted_tokens"] / max(1.0, summed["completion_tokens"])
+    if summed["trained_seqs"]:  # entropy of the policy on the tokens it trained on (none trained: no number)
+        out["entropy"] = summed["entropy_sum"] / tokens
+    if mismatch["tokens"]:  # the backend returned log-probs: how far its sampler is from the trainer
+        out["logp_mismatch"] = mismatch["abs_sum"] / mismatch["tokens"]
+        out["is_weight_mean"] = mismatch["weight_sum"] / mismatch["tokens"]
+        if tis_cap > 0:
+            out["tis_clip_frac"] = mismatch["capped"] / mismatch["tokens"]
+    return out
+
+
 class AgentUpdater:
     """Owns one agent's optimizer and learning-rate schedule."""
 
@@ -242,83 +281,70 @@ class AgentUpdater:
         took them already (a retry after an out-of-memory must not repeat that collective). Returns
         the step's numbers over all ranks."""
         s, world = settings, world or World()
-        model, agent = self.agent.model, self.agent
-        device = next(model.parameters()).device
-        lengths = torch.tensor([s.model_tokens for s in samples], dtype=torch.long)  # inserted tokens weigh nothing
+        lengths = torch.tensor([x.model_tokens for x in samples], dtype=torch.long)  # inserted tokens weigh nothing
         keep = trained_rows(samples, s.per_token_coef)
         num_sequences, num_tokens, num_kept = counts or self.batch_counts(samples, s.per_token_coef, world)
         weights = sequence_weights(s.loss_agg, lengths, s.max_new_tokens, int(num_sequences), int(num_tokens))
-        batches = micro_batches(samples, keep, micro_batch_size)
-        agent.train_mode()
-        old_logps: list[torch.Tensor] = []
-        ref_logps: list[torch.Tensor | None] = []
-        is_weights: list[torch.Tensor | None] = []
-        totals = {"loss": 0.0, "clipped_tokens": 0.0, "clipped_high_tokens": 0.0, "kl_sum": 0.0, "entropy_sum": 0.0}
-        mismatch = dict.fromkeys(MISMATCH_KEYS, 0.0)
-        grad_norm = 0.0
-        skipped = 0
+        self.agent.train_mode()
+        first = FirstPass()  # what the first epoch sees before the weights move
+        totals = {"loss": 0.0, "clipped_tokens": 0.0, "clipped_high_tokens": 0.0, "kl_sum": 0.0}
+        grad_norm, skipped = 0.0, 0
         for epoch in range(s.ppo_epochs):
             self.optimizer.zero_grad(set_to_none=True)
-            for b, rows in enumerate(batches):
-                batch = pack([samples[i] for i in rows], agent.tokenizer.pad_token_id).to(device)
-                adv = torch.tensor([samples[i].advantage for i in rows], dtype=torch.float32, device=device)
-                bonus = s.loss.entropy_coef > 0  # the entropy bonus needs the entropy, with its gradient, every epoch
-                logp, entropy = forward_logprobs(model, batch, s.temperature, with_entropy=epoch == 0 or bonus,
-                                                 entropy_grad=bonus)
-                if epoch == 0:  # parameters have not moved yet: these are the behaviour log-probs
-                    totals["entropy_sum"] += float((entropy.detach() * batch.target_mask).sum())
-                    old_logps.append(logp.detach())
-                    ref_logps.append(self._reference_logprobs(batch, s.temperature) if s.loss.kl_coef > 0 else None)
-                    weight, seen = importance_weights(logp.detach(), [samples[i] for i in rows], batch.target_mask,
-                                                      s.tis_cap)
-                    is_weights.append(weight)
-                    for key, value in seen.items():
-                        mismatch[key] += value
-                loss, stats = policy_loss(logp, old_logps[b], adv, batch.target_mask, weights[rows].to(device),
-                                          s.loss, ref_logps[b], is_weights[b], entropy if bonus else None)
-                loss.backward()
+            for b, rows in enumerate(micro_batches(samples, keep, micro_batch_size)):
+                stats = self._backward(samples, rows, weights, s, epoch, b, first)
                 if epoch == s.ppo_epochs - 1:
-                    for key in ("loss", "clipped_tokens", "clipped_high_tokens", "kl_sum"):
+                    for key in totals:
                         totals[key] += float(stats.get(key, 0.0))
-            if world.size > 1 and num_kept:  # no rank trained a row: no gradient anywhere, as in one process
-                self._sum_gradients(world)
-            clip = s.max_grad_norm if s.max_grad_norm > 0 else float("inf")
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, clip))
-            if not math.isfinite(grad_norm):  # a NaN/inf loss or gradient: keep the weights, count it
-                self.optimizer.zero_grad(set_to_none=True)
-                skipped = 1
-                continue
-            self.optimizer.step()
+            grad_norm, bad = self._apply(world, s.max_grad_norm, sums_gradients=world.size > 1 and num_kept)
+            skipped |= bad
         lr = self.scheduler.get_last_lr()[0]
         if not skipped:  # the schedule counts updates that happened
             self.scheduler.step()
-        totals.update(trained_tokens=float(lengths[keep].sum()), trained_seqs=float(len(keep)),
+        totals.update(entropy_sum=first.entropy_sum, trained_tokens=float(lengths[keep].sum()),
+                      trained_seqs=float(len(keep)),
                       inserted_tokens=float(sum(len(x.completion_ids) - x.model_tokens for x in samples)),
                       completion_tokens=float(sum(len(x.completion_ids) for x in samples)),
                       masked_rows=float(sum(x.model_mask is not None for x in samples)))
-        summed, mismatch = world.sum_dict(totals), world.sum_dict(mismatch)
-        tokens = max(1.0, summed["trained_tokens"])
-        out = {
-            "loss": summed["loss"],
-            "clip_frac": summed["clipped_tokens"] / tokens,
-            "clip_frac_high": summed["clipped_high_tokens"] / tokens,
-            "kl": summed["kl_sum"] / tokens,
-            "grad_norm": grad_norm,
-            "lr": lr,
-            "completion_len": num_tokens / max(1.0, num_sequences),
-            "trained_seqs": summed["trained_seqs"],
-            "skipped_updates": float(skipped),
-        }
-        if summed["masked_rows"]:  # some completion carried inserted tokens (tools): their share, out of the loss
-            out["masked_token_share"] = summed["inserted_tokens"] / max(1.0, summed["completion_tokens"])
-        if summed["trained_seqs"]:  # entropy of the policy on the tokens it trained on (none trained: no number)
-            out["entropy"] = summed["entropy_sum"] / tokens
-        if mismatch["tokens"]:  # the backend returned log-probs: how far its sampler is from the trainer
-            out["logp_mismatch"] = mismatch["abs_sum"] / mismatch["tokens"]
-            out["is_weight_mean"] = mismatch["weight_sum"] / mismatch["tokens"]
-            if s.tis_cap > 0:
-                out["tis_clip_frac"] = mismatch["capped"] / mismatch["tokens"]
-        return out
+        return step_metrics(world.sum_dict(totals), world.sum_dict(first.mismatch), s.tis_cap, grad_norm=grad_norm,
+                            lr=lr, skipped=skipped, mean_length=num_tokens / max(1.0, num_sequences))
+
+    def _backward(self, samples: list[TrainSample], rows: list[int], weights: torch.Tensor, s: UpdateSettings,
+                  epoch: int, b: int, first: FirstPass) -> dict[str, float]:
+        """Forward and backward of micro-batch `b` (`rows` of `samples`) in `epoch`; the first epoch also
+        keeps its behaviour and reference log-probs, importance weights and entropy in `first`."""
+        model = self.agent.model
+        device = next(model.parameters()).device
+        batch = pack([samples[i] for i in rows], self.agent.tokenizer.pad_token_id).to(device)
+        adv = torch.tensor([samples[i].advantage for i in rows], dtype=torch.float32, device=device)
+        bonus = s.loss.entropy_coef > 0  # the entropy bonus needs the entropy, with its gradient, every epoch
+        logp, entropy = forward_logprobs(model, batch, s.temperature, with_entropy=epoch == 0 or bonus,
+                                         entropy_grad=bonus)
+        if epoch == 0:  # parameters have not moved yet: these are the behaviour log-probs
+            first.entropy_sum += float((entropy.detach() * batch.target_mask).sum())
+            first.old_logps.append(logp.detach())
+            first.ref_logps.append(self._reference_logprobs(batch, s.temperature) if s.loss.kl_coef > 0 else None)
+            weight, seen = importance_weights(logp.detach(), [samples[i] for i in rows], batch.target_mask, s.tis_cap)
+            first.is_weights.append(weight)
+            for key, value in seen.items():
+                first.mismatch[key] += value
+        loss, stats = policy_loss(logp, first.old_logps[b], adv, batch.target_mask, weights[rows].to(device), s.loss,
+                                  first.ref_logps[b], first.is_weights[b], entropy if bonus else None)
+        loss.backward()
+        return stats
+
+    def _apply(self, world: World, max_grad_norm: float, sums_gradients: bool) -> tuple[float, int]:
+        """Sum the gradients over ranks (when any rank trained a row), clip, and step; a NaN/inf gradient
+        keeps the weights and is counted. Returns (gradient norm, 1 if skipped else 0)."""
+        if sums_gradients:  # no rank trained a row: no gradient anywhere, as in one process
+            self._sum_gradients(world)
+        clip = max_grad_norm if max_grad_norm > 0 else float("inf")
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, clip))
+        if not math.isfinite(grad_norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            return grad_norm, 1
+        self.optimizer.step()
+        return grad_norm, 0
 
     def batch_counts(self, samples: list[TrainSample], kl_coef: float, world: World) -> tuple[float, float, float]:
         """(sequences, model tokens, trained sequences) over all ranks: the loss normalisers."""
