@@ -59,6 +59,13 @@ class AgentConfig:
     """This agent's own learning rate; null = trainer.lr."""
     lora_r: Optional[int] = None
     """This agent's own LoRA rank (finetune=lora); null = lora.r (the scale alpha / r follows it)."""
+    temperature: Optional[float] = None
+    """This agent's own sampling temperature (its log-probs are trained under it too); null =
+    generation.temperature."""
+    top_p: Optional[float] = None
+    """This agent's own nucleus mass; null = generation.top_p."""
+    top_k: Optional[int] = None
+    """This agent's own top-k (0 = off); null = generation.top_k."""
 
 
 @dataclass

@@ -136,6 +136,7 @@ class Agent:
     template_kwargs: dict = field(default_factory=dict)  # passed to apply_chat_template (model.chat_template_kwargs)
     finetune: str = "lora"  # lora | full (agents[i].finetune)
     reference: torch.nn.Module | None = None  # full agents with a KL term: a frozen copy of the initial weights
+    sampling: dict = field(default_factory=dict)  # its own temperature / top_p / top_k (agents[i]), over the run's
 
     @property
     def adapter(self) -> str:
@@ -145,6 +146,12 @@ class Agent:
     @property
     def full(self) -> bool:
         return self.finetune == "full"
+
+    def sampling_params(self, params):
+        """A call's SamplingParams with this agent's own sampling settings over it."""
+        from dataclasses import replace
+
+        return replace(params, **self.sampling) if self.sampling else params
 
     def shows_tools(self) -> bool:
         return self.use_chat_template and "tools" in str(getattr(self.tokenizer, "chat_template", ""))
@@ -376,8 +383,13 @@ def load_agents(cfg: TrainConfig, num_agents: int, tool_schemas: tuple[dict, ...
                             tool_schemas=tool_schemas,
                             system_prompt=cfg.model.system_prompt if own.system_prompt is None else own.system_prompt,
                             template_kwargs=dict(cfg.model.chat_template_kwargs), finetune=own.finetune,
-                            reference=reference))
+                            reference=reference, sampling=own_sampling(own)))
     return agents
+
+
+def own_sampling(entry) -> dict:
+    """An agents[i] entry's sampling settings that are set (temperature, top_p, top_k)."""
+    return {key: getattr(entry, key) for key in ("temperature", "top_p", "top_k") if getattr(entry, key) is not None}
 
 
 def _frozen_copy(model: torch.nn.Module) -> torch.nn.Module:

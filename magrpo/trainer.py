@@ -241,7 +241,8 @@ class Run:
         self.eval_problems = env.problems("eval")[: cfg.eval.max_problems or None] if evaluates(cfg) else []
         self.tree = TreeSettings.of(cfg)
         self.advantage_settings = AdvantageSettings.of(cfg)
-        self.update_settings = UpdateSettings.of(cfg)
+        # per agent: its log-probs are scored under its own sampling temperature
+        self.update_settings = [UpdateSettings.of(cfg, a.sampling.get("temperature")) for a in self.agents]
         self.micro_batch = Halvable("trainer.micro_batch_size", trainer.micro_batch_size)
         self.bad_steps = BadSteps(trainer.max_bad_steps)
         # Sampling log-probs feed the train/inference mismatch metrics and truncated importance sampling.
@@ -306,7 +307,7 @@ class Run:
             samples = _samples_of(rollout, agent.index, self.cfg.trainer.mask_truncated)
             # Taken once, outside the retry: a rank that retries after an out-of-memory (in its forward
             # or backward) then meets the others at the gradient all-reduce.
-            counts = updater.batch_counts(samples, self.update_settings.per_token_coef, self.world)
+            counts = updater.batch_counts(samples, self.update_settings[agent.index].per_token_coef, self.world)
             step = partial(self._agent_step, updater, samples, counts)
             agent_stats.append(oom_retry(step, self.micro_batch.halve, self.micro_batch.setting))
         self.backend.sync_weights()  # adapters reach the generator (vllm: new version, checked by the guard)
@@ -315,7 +316,8 @@ class Run:
 
     def _agent_step(self, updater: AgentUpdater, samples: list[TrainSample], counts: tuple) -> dict[str, float]:
         # The micro-batch size is read at each try: a retry after an out-of-memory gets the halved one.
-        return updater.step(samples, self.update_settings, self.micro_batch.value, self.world, counts)
+        return updater.step(samples, self.update_settings[updater.agent.index], self.micro_batch.value, self.world,
+                            counts)
 
     def step_metrics(self, step: int, rollout: Rollout, agent_stats: list[dict], collected: dict,
                      update_s: float) -> tuple[dict[str, float], Rollout | None]:

@@ -215,11 +215,12 @@ class UpdateSettings:
         return self.loss.kl_coef + self.loss.entropy_coef
 
     @classmethod
-    def of(cls, cfg) -> "UpdateSettings":
+    def of(cls, cfg, temperature: float | None = None) -> "UpdateSettings":
+        """From the config; `temperature`: an agent's own (agents[i].temperature), else generation's."""
         trainer = cfg.trainer
         return cls(loss=LossSettings.of(cfg), loss_agg=trainer.loss_agg, max_new_tokens=cfg.generation.max_new_tokens,
                    ppo_epochs=trainer.ppo_epochs, max_grad_norm=trainer.max_grad_norm, tis_cap=trainer.tis_cap,
-                   temperature=cfg.generation.temperature)
+                   temperature=temperature or cfg.generation.temperature)
 
 
 @dataclass

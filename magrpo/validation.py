@@ -168,7 +168,7 @@ FINETUNE_MODES = ("lora", "full")
 
 
 def check_agent_entries(cfg: TrainConfig) -> None:
-    """agents[i].finetune, lr and lora_r: each agent's own training settings."""
+    """agents[i].finetune, lr, lora_r and sampling settings: each agent's own."""
     for i, agent in enumerate(cfg.agents):
         choice(f"agents[{i}].finetune", agent.finetune, list(FINETUNE_MODES))
         if agent.lr is not None:
@@ -178,6 +178,12 @@ def check_agent_entries(cfg: TrainConfig) -> None:
                 raise ConfigError(f"agents[{i}].lora_r", "is a LoRA rank, and this agent has finetune=full: "
                                                          "drop the key, or use finetune=lora")
             at_least(f"agents[{i}].lora_r", agent.lora_r, 1)
+        if agent.temperature is not None:
+            above(f"agents[{i}].temperature", agent.temperature, 0)
+        if agent.top_p is not None and not 0 < agent.top_p <= 1:
+            raise ConfigError(f"agents[{i}].top_p", f"must be in (0, 1], got {agent.top_p}")
+        if agent.top_k is not None:
+            at_least(f"agents[{i}].top_k", agent.top_k, 0)
 
 
 def check_stop_strings(cfg: TrainConfig) -> None:

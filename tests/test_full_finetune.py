@@ -1,7 +1,8 @@
 """Full-parameter agents (`agents[i].finetune=full`, issue 47): every weight of the agent's own copy
 trains and nothing else moves, the KL term's reference is a frozen copy of the initial weights,
 generation runs each agent through its own weights, checkpoints resume exactly, memory is stated and
-checked before the copies load, and per-agent lr and LoRA rank reach the optimizer and the adapter."""
+checked before the copies load, and per-agent lr, LoRA rank and sampling settings reach the optimizer,
+the adapter, generation and the update."""
 from __future__ import annotations
 
 import pytest
@@ -132,6 +133,35 @@ def test_per_agent_lr_and_lora_rank(tmp_path, capsys):
     assert metrics["train/agent_0/lr"] == 0.5 and metrics["train/agent_1/lr"] == 1e-4
 
 
+def test_per_agent_sampling_reaches_generation_and_the_update(tmp_path, capsys):
+    """Agent 0 samples at temperature 0.5 with top-k 5, agent 1 at the run's 1.0: each completion's
+    sampling log-probs are its own agent's distribution, and each agent's update scores them under the
+    same temperature, so the trainer/sampler mismatch stays at rounding for both (scored under the
+    run's temperature instead, agent 0's is far off)."""
+    import json
+
+    from magrpo.sampling import sampling_logprobs
+
+    agents = team(agents="[{temperature: 0.5, top_k: 5}, {}]", n=2)
+    assert agents[0].sampling == {"temperature": 0.5, "top_k": 5} and agents[1].sampling == {}
+    backend = HFBackend(agents)
+    out = backend.generate([GenerationRequest("Count to three:", a, 2, seed=1) for a in (0, 1)],
+                           SamplingParams(max_new_tokens=6, logprobs=True))
+    for agent, completions in zip(agents, out):
+        params = agent.sampling_params(SamplingParams(max_new_tokens=6))
+        for c in completions:
+            ids = torch.tensor([c.prompt_ids + c.token_ids])
+            with torch.no_grad():
+                logits = agent.model(input_ids=ids).logits[0, len(c.prompt_ids) - 1 : -1]
+            want = sampling_logprobs(logits, params.temperature, params.top_k, params.top_p)
+            want = want.gather(-1, torch.tensor(c.token_ids)[:, None])[:, 0]
+            torch.testing.assert_close(torch.tensor(c.logprobs), want, atol=1e-4, rtol=1e-4)
+    code, err = cli(capsys, tmp_path / "run", "agents=[{temperature: 0.5},{}]", "trainer.steps=1", "eval.every=0")
+    assert code == 0, err
+    metrics = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert metrics["train/agent_0/logp_mismatch"] < 1e-3 and metrics["train/agent_1/logp_mismatch"] < 1e-3
+
+
 @pytest.mark.parametrize("overrides, line", [
     (["agents=[{finetune: half}]"],
      "config error: agents[0].finetune: 'half' is not allowed; choose one of: lora, full"),
@@ -139,6 +169,9 @@ def test_per_agent_lr_and_lora_rank(tmp_path, capsys):
                                              "finetune=full"),
     (["agents=[{lr: 0}]"], "config error: agents[0].lr: must be > 0"),
     (["agents=[{lora_r: 0}]"], "config error: agents[0].lora_r: must be >= 1"),
+    (["agents=[{temperature: 0}]"], "config error: agents[0].temperature: must be > 0"),
+    (["agents=[{},{top_p: 1.5}]"], "config error: agents[1].top_p: must be in (0, 1]"),
+    (["agents=[{top_k: -1}]"], "config error: agents[0].top_k: must be >= 0"),
 ])
 def test_bad_agent_settings_are_one_line(tmp_path, capsys, overrides, line):
     code, err = cli(capsys, tmp_path / "run", *overrides)

@@ -60,10 +60,12 @@ class HFBackend:
     def generate(self, requests: Sequence[GenerationRequest], params: SamplingParams) -> list[list[Completion]]:
         results: list[list[Completion]] = [[] for _ in requests]
         kept, self.kept = self.kept, KeptStates()  # this call resumes from the last one's states, and drops the rest
-        by_model: dict[int, list[int]] = defaultdict(list)
+        by_model: dict[tuple, list[int]] = defaultdict(list)  # agents with their own sampling settings apart
         for r, req in enumerate(requests):
-            by_model[id(self.agents[req.agent].model)].append(r)
+            agent = self.agents[req.agent]
+            by_model[id(agent.model), tuple(sorted(agent.sampling.items()))].append(r)
         for request_ids in by_model.values():
+            own = self.agents[requests[request_ids[0]].agent].sampling_params(params)
             # Rows grouped by agent (each agent's LoRA then runs on one slice of the batch), each request
             # repeated n times, so one decode covers every agent and sample.
             request_ids.sort(key=lambda r: requests[r].agent)
@@ -74,7 +76,7 @@ class HFBackend:
             for start in range(0, len(rows), chunk):
                 part = rows[start : start + chunk]
                 self.largest_chunk = max(self.largest_chunk, len(part))
-                completions = self._generate_rows(requests, part, keys[start : start + chunk], prompt_ids, params,
+                completions = self._generate_rows(requests, part, keys[start : start + chunk], prompt_ids, own,
                                                   kept)
                 for r, completion in zip(part, completions):
                     results[r].append(completion)

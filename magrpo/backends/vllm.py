@@ -229,7 +229,8 @@ class VLLMBackend:
             eos = sorted(self.agents[requests[ids[0]].agent].eos_ids())
             outputs = self.engines[key].generate(
                 [TokensPrompt(prompt_token_ids=prompt_ids[r]) for r in ids],
-                [self._sampling(params, requests[r], eos) for r in ids],
+                [self._sampling(self.agents[requests[r].agent].sampling_params(params), requests[r], eos)
+                 for r in ids],
                 lora_request=self._lora_requests([self.agents[requests[r].agent] for r in ids]),
                 use_tqdm=False,
             )
