@@ -148,6 +148,23 @@ def test_two_processes_end_with_the_single_process_adapters(single, two):
 
 
 @pytest.mark.slow
+def test_a_full_weight_agent_trains_the_same_in_two_processes(tmp_path):
+    """agents[0].finetune=full: its gradients are summed over the ranks as the adapters' are, so two
+    processes end with the one process's weights and trees."""
+    from tests.test_resume import adapters
+
+    full = ["agents=[{finetune: full},{}]", "trainer.steps=2", "eval.every=0", "checkpoint.every=0"]
+    run(tmp_path / "one", 1, *full)
+    run(tmp_path / "two", 2, *full)
+    assert (tmp_path / "two" / "rollouts.jsonl").read_bytes() == (tmp_path / "one" / "rollouts.jsonl").read_bytes()
+    one, two = adapters(tmp_path / "one"), adapters(tmp_path / "two")
+    assert one.keys() == two.keys() == {"agent_0", "agent_1"} and "lm_head.weight" not in one["agent_0"]
+    for agent in one:
+        for name, value in one[agent].items():
+            torch.testing.assert_close(two[agent][name], value, atol=1e-6, rtol=0)
+
+
+@pytest.mark.slow
 def test_a_two_process_run_resumes_from_its_checkpoint(tmp_path, single):
     run_dir = tmp_path / "resumed"
     run(run_dir, 2, "trainer.steps=2")
