@@ -4,24 +4,22 @@ SIGKILL (as root and as an unprivileged user), and a grace after a SIGTERM. Each
 processes it started (their pids), so none runs `alone`."""
 from __future__ import annotations
 
-import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 
 from magrpo import lifeline, pinned
+from tests import nobody
 from tests.daemons import after_sigkill, alive, survivors
 
 ROOT = Path(__file__).resolve().parent.parent
 DAEMONS = str(ROOT / "tests" / "daemons.py")
 
 # A trainer that starts `daemons.py` under a supervisor, passes the daemons' pids on and waits to be
-# killed. stdlib only (lifeline.py imported from its file), so the system's Python runs it unprivileged.
+# killed. stdlib only (lifeline.py imported from its file).
 TRAINER = """
 import subprocess, sys, time
 sys.path.insert(0, sys.argv[1])
@@ -42,35 +40,20 @@ def test_the_programs_daemons_die_when_it_exits_and_its_status_comes_back():
     assert len(pids) == 2 and done.returncode == 3
 
 
-USERS = ["root", pytest.param("unprivileged", marks=pytest.mark.skipif(
-    os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root and setpriv to run as another user"))]
-
-
-@pytest.mark.parametrize("user", USERS)
+@pytest.mark.parametrize("user", ["own", "nobody"])
 def test_everything_dies_with_a_trainer_killed_by_sigkill(user):
-    python, prefix, modules, daemons = sys.executable, [], str(ROOT / "magrpo"), DAEMONS
-    if user == "unprivileged":  # the venv may sit where another user cannot read: the system's Python
-        python = shutil.which("python3", path="/usr/bin:/bin")
-        if python is None:
-            pytest.skip("no system python3 to run as another user")
-        prefix = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
-        # and the checkout may too (a clone in a mktemp -d folder, mode 0700): the two files, where it can
-        shared = Path(tempfile.mkdtemp(prefix="magrpo-lifeline-test-"))
-        for source in (ROOT / "magrpo" / "lifeline.py", Path(DAEMONS)):
-            shutil.copy(source, shared)
-        for path in (shared, *shared.iterdir()):
-            path.chmod(0o755)
-        modules, daemons = str(shared), str(shared / "daemons.py")
-    trainer = subprocess.Popen([*prefix, python, "-c", TRAINER, modules, daemons],
-                               stdout=subprocess.PIPE, text=True)
+    argv = [sys.executable, "-c", TRAINER, str(ROOT / "magrpo"), DAEMONS]
+    if user == "nobody":  # the venv's own Python as `nobody`, where it may not read the venv: tests/nobody.py
+        if reason := nobody.unavailable():
+            pytest.skip(reason)
+        argv = nobody.command(argv, [str(ROOT)])
+    trainer = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
     pids: list[int] = []
     try:
         pids += [int(trainer.stdout.readline()) for _ in range(3)]  # two daemons, then the supervisor
         assert all(alive(p) for p in pids)
     finally:
         left = after_sigkill(trainer, pids)
-        if modules != str(ROOT / "magrpo"):
-            shutil.rmtree(modules)
     assert left == []
 
 

@@ -13,6 +13,7 @@ import pytest
 from magrpo.config import McpServerConfig, TrainConfig
 from magrpo.errors import ConfigError
 from magrpo.tools import Tool, ToolCall, execute_calls
+from tests import nobody
 from tests.daemons import KINDS, after_sigkill, alive, survivors
 
 # It counts the host's processes, /tmp entries or SysV objects: it runs alone (.ci/run, docs/testing.md).
@@ -51,6 +52,12 @@ def server_processes(marker: str) -> list[int]:
         except OSError:  # gone meanwhile
             continue
     return pids
+
+
+def uid(pid: int) -> int:
+    """The process's real uid."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(status.split("\nUid:")[1].split()[0])
 
 
 def free_port() -> int:
@@ -171,15 +178,24 @@ execute_calls([ToolCall("wait", {"seconds": 3600})], tools, 3600.0, 1000, 8)
 """
 
 
-def test_a_trainer_killed_by_sigkill_mid_call_takes_its_server_and_the_daemons_along():
+@pytest.mark.parametrize("user", ["own", "nobody"])
+def test_a_trainer_killed_by_sigkill_mid_call_takes_its_server_and_the_daemons_along(user):
+    """As the test's own user, and (for a root test run) as `nobody` with the venv's own Python and `mcp`
+    SDK (tests/nobody.py: the venv may sit where `nobody` cannot read): the real start path."""
     import subprocess
     import time
 
-    trainer = subprocess.Popen([sys.executable, "-c", TRAINER, str(ROOT)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    argv = [sys.executable, "-c", TRAINER, str(ROOT)]
+    if user == "nobody":
+        if reason := nobody.unavailable():
+            pytest.skip(reason)
+        argv = nobody.command(argv, [str(ROOT)])
+    trainer = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, text=True)
     pids: list[int] = []
     try:
         pids += [int(trainer.stdout.readline()) for _ in range(3)]  # the server, then its two daemons
         assert all(alive(p) for p in pids)
+        assert {uid(p) for p in pids} == {nobody.NOBODY if user == "nobody" else os.getuid()}
         time.sleep(0.5)  # the `wait` call is under way
     finally:
         left = after_sigkill(trainer, pids)
