@@ -19,19 +19,23 @@ runs: a small watcher ends them (SIGTERM, then SIGKILL) when the trainer dies.
 
 Why not less: PR_SET_PDEATHSIG covers one process (a fork or `setsid` below it escapes, and it fires
 when the spawning *thread* ends); a process group or session is left by `setsid`; a PID namespace
-needs privileges. A subreaper works as root and as any user. It does not hold against a descendant
-that changes uid (a setuid program: SIGKILL is refused), and a SIGKILL of the supervisor itself ends
-the program (its parent-death signal) but not the daemons it started.
+needs privileges. A subreaper works as root and as any user. The program runs with no_new_privs, so no
+descendant changes its uid through a setuid program (one that had refused our SIGKILL). Limits, and why
+no fix here (docs/tools.md, "Sessions"): a SIGKILL of the supervisor itself ends the program (its
+parent-death signal) but not the daemons it started; and a process that forks and exits in a loop can
+stay ahead of the /proc scan until KILL_GIVE_UP_S. Only the kernel holding the tree (a PID namespace
+whose init is the supervisor, or a cgroup) closes both.
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import select
 import signal
 import sys
 import time
 
-PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36  # <linux/prctl.h>
+PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 36, 38  # <linux/prctl.h>
 KILL_GIVE_UP_S = 5.0  # descendants that SIGKILL cannot reach (another uid) are left after this long
 
 
@@ -138,6 +142,10 @@ def spawn(libc, argv: list[str]) -> tuple[int, str]:
     if pid == 0:
         try:
             libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+            # No exec below gains a user or a capability (setuid bits, file capabilities): a descendant
+            # of another uid refuses our SIGKILL and outlived the trainer. Inherited, and cannot be unset.
+            if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+                raise RuntimeError(f"prctl(PR_SET_NO_NEW_PRIVS): {os.strerror(ctypes.get_errno())}")
             if os.getppid() == supervisor:  # else it died before the prctl: nothing to run for
                 os.execvp(argv[0], argv)
         except BaseException as e:  # noqa: BLE001  (anything: the parent reports it)
@@ -155,8 +163,6 @@ def spawn(libc, argv: list[str]) -> tuple[int, str]:
 
 
 def supervise(trainer: int, grace_s: float | None, argv: list[str]) -> int:
-    import ctypes
-
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
         print(f"lifeline: prctl(PR_SET_CHILD_SUBREAPER): {os.strerror(ctypes.get_errno())}", file=sys.stderr)

@@ -4,6 +4,8 @@ SIGKILL (as root and as an unprivileged user), and a grace after a SIGTERM. Each
 processes it started (their pids), so none runs `alone`."""
 from __future__ import annotations
 
+import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -52,6 +54,66 @@ def test_everything_dies_with_a_trainer_killed_by_sigkill(user):
     try:
         pids += [int(trainer.stdout.readline()) for _ in range(3)]  # two daemons, then the supervisor
         assert all(alive(p) for p in pids)
+    finally:
+        left = after_sigkill(trainer, pids)
+    assert left == []
+
+
+# A program that takes root through its setuid binary where it can, says its pid and real uid, and waits.
+SETUID_PROGRAM = """
+import os, time
+try:
+    os.setresuid(0, 0, 0)
+except PermissionError:  # the setuid bit did not take
+    pass
+print(os.getpid(), os.getuid(), flush=True)
+time.sleep(3600)
+"""
+# A trainer that runs argv[1:] under a supervisor, passes its one line on and waits to be killed.
+RELAY = """
+import subprocess, sys, time
+from magrpo import lifeline
+child = subprocess.Popen(lifeline.command(sys.argv[1:]), stdout=subprocess.PIPE, text=True)
+print(child.stdout.readline().strip(), flush=True)  # an empty line if it could not start
+time.sleep(3600)
+"""
+
+
+@pytest.fixture
+def setuid_python(tmp_path):
+    """A setuid-root copy of the system's Python, in a folder only root and `nobody`'s group can enter
+    (a setuid-root Python is root for whoever runs it); skipped where such a copy would not take root."""
+    python = os.path.realpath("/usr/bin/python3")
+    if nobody.unavailable() or not os.path.isfile(python):
+        pytest.skip(nobody.unavailable() or "no /usr/bin/python3 to make a setuid copy of")
+    folder = tmp_path / "setuid"
+    folder.mkdir()
+    os.chown(folder, 0, nobody.NOBODY)
+    folder.chmod(0o750)
+    copy = folder / "python3"
+    shutil.copy(python, copy)
+    copy.chmod(0o4755)
+    probe = subprocess.run([*nobody.as_nobody(), str(copy), "-I", "-S", "-c", "import os; print(os.geteuid())"],
+                           capture_output=True, text=True, timeout=60)
+    if probe.stdout.strip() != "0":
+        pytest.skip(f"a setuid-root binary does not take root here (a nosuid mount?): {probe.stderr.strip()[-200:]}")
+    yield str(copy)
+    copy.unlink()
+
+
+def test_a_setuid_program_under_an_unprivileged_trainer_gets_no_root_and_dies_with_it(setuid_python):
+    """A process that changed its user could not be killed by the supervisor (EPERM): it outlived the
+    trainer. The supervisor starts its program with no_new_privs, so a setuid bit never takes."""
+    argv = [sys.executable, "-c", RELAY, setuid_python, "-I", "-S", "-c", SETUID_PROGRAM]
+    trainer = subprocess.Popen(nobody.command(argv, [str(ROOT), setuid_python]), cwd=ROOT, stdout=subprocess.PIPE,
+                               text=True)
+    pids: list[int] = []
+    try:
+        said = trainer.stdout.readline().split()
+        assert len(said) == 2, "the program did not start (the supervisor's error went to the test's stderr)"
+        pid, uid = map(int, said)
+        pids.append(pid)
+        assert uid == nobody.NOBODY
     finally:
         left = after_sigkill(trainer, pids)
     assert left == []
