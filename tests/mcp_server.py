@@ -28,6 +28,12 @@ async def wait(seconds: float) -> str:
 
 
 @server.tool()
+def big(size: int) -> str:
+    """An answer of `size` characters (a tool that reads a huge file, or a shell tool running `yes`)."""
+    return "x" * size
+
+
+@server.tool()
 def pid() -> str:
     """The server's process id (a test checks it is gone after the run)."""
     import os
