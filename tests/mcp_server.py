@@ -34,6 +34,16 @@ def big(size: int) -> str:
 
 
 @server.tool()
+def shout(size: int) -> str:
+    """Write `size` characters to the server's stderr (a server that logs a lot)."""
+    import sys
+
+    sys.stderr.write("y" * size + "\n")
+    sys.stderr.flush()
+    return "done"
+
+
+@server.tool()
 def pid() -> str:
     """The server's process id (a test checks it is gone after the run)."""
     import os

@@ -82,7 +82,7 @@ def call(tools, *calls: ToolCall):
 
 
 def test_discovery_gives_each_tool_its_openai_schema(opened):
-    assert list(opened) == ["add", "fail", "wait", "big", "pid", "daemon"]
+    assert list(opened) == ["add", "fail", "wait", "big", "shout", "pid", "daemon"]
     add = opened["add"].schema
     assert add["name"] == "add" and add["description"] == "Add two integers."
     assert add["parameters"]["required"] == ["a", "b"]
@@ -204,7 +204,7 @@ def test_a_trainer_killed_by_sigkill_mid_call_takes_its_server_and_the_daemons_a
 
 def test_a_selection_of_a_tool_the_server_lacks_names_what_it_has():
     with pytest.raises(ConfigError, match=r"^tools\.mcp\[0\]\.tools: 'mul': not a tool of the server .*; it has: "
-                                          r"add, fail, wait, big, pid, daemon$"):
+                                          r"add, fail, wait, big, shout, pid, daemon$"):
         open_servers([server(tools=["add", "mul"])])
 
 
@@ -292,19 +292,30 @@ def test_an_answer_past_max_message_bytes_fails_the_call_at_once_and_the_session
     assert (small.error, small.text, add.error, add.text) == (None, "x" * 1000, None, "3")
 
 
+def test_the_file_that_keeps_a_servers_stderr_stays_bounded_over_the_run(opened):
+    """The trainer keeps a server's stderr in a temporary file for the whole run (its last line explains a
+    failed start); a server that logs every call (MCPServer's default) or a tool's arguments grew it
+    without end. The relay empties it past STDERR_BYTES, keeping the last TAIL bytes."""
+    from magrpo.mcp_relay import STDERR_BYTES
+
+    [pid] = call(opened, ToolCall("pid", {}))
+    relay = int(Path(f"/proc/{pid.text}/stat").read_text().rsplit(")", 1)[1].split()[1])  # the server's parent
+    for _ in range(3):
+        [r] = call(opened, ToolCall("shout", {"size": STDERR_BYTES // 2}))
+        assert (r.error, r.text) == (None, "done")
+    kept = os.stat(f"/proc/{relay}/fd/2")  # the trainer's file, as the relay writes it
+    assert kept.st_size <= STDERR_BYTES and kept.st_blocks * 512 <= STDERR_BYTES + (1 << 16)
+
+
 def test_the_relay_drops_a_long_line_that_answers_nothing_and_passes_the_rest():
-    from magrpo.mcp_relay import relay
+    from magrpo.mcp_relay import Lines
 
     notice = b'{"jsonrpc":"2.0","method":"notifications/message","params":{"data":"' + b"y" * 5000 + b'"}}\n'
-    source, ours = os.pipe()
     theirs, sink = os.pipe()
-    os.write(ours, notice + b'{"jsonrpc":"2.0","id":7,"result":{}}\n' + b"z" * 3000 + b"\n" + b"tail")
-    os.close(ours)
-    relay(source, sink, 1000)
+    Lines(sink, 1000).add(notice + b'{"jsonrpc":"2.0","id":7,"result":{}}\n' + b"z" * 3000 + b"\n" + b"tail")
     os.close(sink)
     with os.fdopen(theirs, "rb") as f:
         assert f.read() == b'{"jsonrpc":"2.0","id":7,"result":{}}\n'  # no answer for lines without an id
-    os.close(source)
 
 
 def test_a_server_that_never_answers_times_out(monkeypatch):
