@@ -22,7 +22,8 @@ when the spawning *thread* ends); a process group or session is left by `setsid`
 needs privileges. A subreaper works as root and as any user. The program runs with no_new_privs, so no
 descendant changes its uid through a setuid program (one that had refused our SIGKILL). Limits, and why
 no fix here (docs/tools.md, "Sessions"): a SIGKILL of the supervisor itself ends the program (its
-parent-death signal) but not the daemons it started; and a process that forks and exits in a loop can
+parent-death signal) but not the daemons it started, and a SIGSTOP of it leaves them all (it never
+sees the trainer die); and a process that forks and exits in a loop can
 stay ahead of the /proc scan until KILL_GIVE_UP_S. Only the kernel holding the tree (a PID namespace
 whose init is the supervisor, or a cgroup) closes both.
 """
