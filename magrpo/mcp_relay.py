@@ -40,9 +40,13 @@ def too_long(head: bytes, size: int, max_bytes: int) -> bytes:
     message = f"the server's answer was {size:,} bytes, past max_message_bytes ({max_bytes:,})"
     print(f"mcp_relay: dropped a message of {size:,} bytes (max_message_bytes {max_bytes:,})",
           file=sys.stderr, flush=True)
-    if found is None:
+    try:
+        request = json.loads(found[1]) if found else None
+    except ValueError:  # a string id with a bad escape: no request of ours has it
+        request = None
+    if request is None:
         return b""
-    answer = {"jsonrpc": "2.0", "id": json.loads(found[1]), "error": {"code": -32603, "message": message}}
+    answer = {"jsonrpc": "2.0", "id": request, "error": {"code": -32603, "message": message}}
     return json.dumps(answer).encode() + b"\n"
 
 

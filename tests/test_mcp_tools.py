@@ -312,7 +312,8 @@ def test_the_relay_drops_a_long_line_that_answers_nothing_and_passes_the_rest():
 
     notice = b'{"jsonrpc":"2.0","method":"notifications/message","params":{"data":"' + b"y" * 5000 + b'"}}\n'
     theirs, sink = os.pipe()
-    Lines(sink, 1000).add(notice + b'{"jsonrpc":"2.0","id":7,"result":{}}\n' + b"z" * 3000 + b"\n" + b"tail")
+    bad_id = b'{"jsonrpc":"2.0","id":"\\u12","result":"' + b"w" * 2000 + b'"}\n'  # an escape that does not parse
+    Lines(sink, 1000).add(notice + b'{"jsonrpc":"2.0","id":7,"result":{}}\n' + bad_id + b"z" * 3000 + b"\n" + b"tail")
     os.close(sink)
     with os.fdopen(theirs, "rb") as f:
         assert f.read() == b'{"jsonrpc":"2.0","id":7,"result":{}}\n'  # no answer for lines without an id
