@@ -23,9 +23,9 @@ needs privileges. A subreaper works as root and as any user. The program runs wi
 descendant changes its uid through a setuid program (one that had refused our SIGKILL). Limits, and why
 no fix here (docs/tools.md, "Sessions"): a SIGKILL of the supervisor itself ends the program (its
 parent-death signal) but not the daemons it started, and a SIGSTOP of it leaves them all (it never
-sees the trainer die); and a process that forks and exits in a loop can
-stay ahead of the /proc scan until KILL_GIVE_UP_S. Only the kernel holding the tree (a PID namespace
-whose init is the supervisor, or a cgroup) closes both.
+sees the trainer die); and a process that forks and exits in a loop is chased by the /proc scan until
+caught, so it escapes when the supervisor dies first. Only the kernel holding the tree (a PID namespace
+whose init is the supervisor, or a cgroup) closes these.
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ import sys
 import time
 
 PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 36, 38  # <linux/prctl.h>
-KILL_GIVE_UP_S = 5.0  # descendants that SIGKILL cannot reach (another uid) are left after this long
+KILL_GIVE_UP_S = 5.0  # descendants that all refuse SIGKILL (another uid) are left after this long
 
 
 def command(argv: list[str], grace_s: float | None = None) -> list[str]:
@@ -102,18 +102,29 @@ def children(pid: int) -> list[int]:
 
 def kill_all() -> dict[int, int]:
     """SIGKILL every descendant and reap them until none is left; the wait statuses of those reaped.
-    A process forked while we scan has a parent we kill: it is re-parented to us and found next round."""
-    statuses, until = {}, time.monotonic() + KILL_GIVE_UP_S
-    while time.monotonic() < until:
+    A process forked while we scan has a parent we kill: it is re-parented to us and found next round.
+    A chain that forks and exits in a loop has a new pid each round; the kernel refuses a fork to a
+    process with a SIGKILL pending, so some round catches it: we chase for as long as anything left takes
+    the signal, and give up only on descendants that have all refused it (another uid) for KILL_GIVE_UP_S."""
+    statuses, refused_since = {}, None
+    while True:
+        accepted = False
         for pid in descendants(os.getpid()):
             try:
                 os.kill(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
+                accepted = True
+            except ProcessLookupError:
                 pass
+            except PermissionError:
+                refused_since = refused_since or time.monotonic()
         try:
             while (reaped := os.waitpid(-1, os.WNOHANG))[0]:
                 statuses[reaped[0]] = reaped[1]
         except ChildProcessError:  # no child left, so no descendant: each one's ancestors lead here
+            break
+        if accepted:
+            refused_since = None
+        elif refused_since is not None and time.monotonic() - refused_since > KILL_GIVE_UP_S:
             break
         time.sleep(0.01)
     return statuses

@@ -150,6 +150,46 @@ def test_a_program_that_cannot_start_says_why_and_one_whose_supervisor_is_killed
     assert after_sigkill(proc, [pid]) == []
 
 
+class ForkChain:
+    """A stand-in for the process table under a supervisor: a chain that forks and exits in a loop, so
+    each scan finds a new pid, caught only after `rounds` scans (the kernel refuses a fork to a process
+    with a SIGKILL pending, so a real chase ends at some round: which one is chance); then one process
+    that refuses SIGKILL (another uid). A fake clock: each scan takes a second."""
+
+    def __init__(self, rounds: int):
+        self.rounds, self.now, self.killed, self.refusing = rounds, 0.0, [], False
+
+    def descendants(self, _root: int) -> list[int]:
+        self.now += 1.0
+        if self.rounds:
+            self.rounds -= 1
+            return [1000 + self.rounds]
+        self.refusing = True
+        return [999]
+
+    def kill(self, pid: int, _signal: int) -> None:
+        if pid == 999:
+            raise PermissionError(1, "Operation not permitted")
+        self.killed.append(pid)
+
+    def waitpid(self, _pid: int, _options: int) -> tuple[int, int]:
+        return 0, 0  # live children left, none to reap yet
+
+
+def test_the_supervisor_chases_a_fork_chain_as_long_as_it_takes_and_gives_up_only_on_refusals(monkeypatch):
+    """A chain of 16 such processes ran past the supervisor's 5 s give-up in one of three runs (and on,
+    with parent 1): the give-up now counts only the time every descendant left has refused the kill."""
+    chain = ForkChain(rounds=20)
+    monkeypatch.setattr(lifeline, "descendants", chain.descendants)
+    monkeypatch.setattr(lifeline.os, "kill", chain.kill)
+    monkeypatch.setattr(lifeline.os, "waitpid", chain.waitpid)
+    monkeypatch.setattr(lifeline.time, "monotonic", lambda: chain.now)
+    monkeypatch.setattr(lifeline.time, "sleep", lambda _s: None)
+    lifeline.kill_all()
+    assert chain.killed == [1000 + r for r in range(19, -1, -1)]  # every pid the chase found, 20 s of it
+    assert chain.refusing and chain.now <= 20 + lifeline.KILL_GIVE_UP_S + 2  # then the refusal, 5 s
+
+
 # A trainer with two children of its own (as a library starts them: not through `command`), one of
 # which ignores SIGTERM, under `watch`; it passes their pids on and waits to be killed.
 WATCHED = """
