@@ -408,6 +408,9 @@ class McpServerConfig:
     max_schema_chars: int = 10_000
     """A used tool whose schema (name, description and inputSchema as JSON) is longer than this stops the run at
     start-up: every prompt shows every schema (>= 1)."""
+    max_message_bytes: int = 4_000_000
+    """A stdio server's message (one JSON line) longer than this is dropped as it arrives; a call it answers fails
+    at once, naming the size (the SDK's client took 28 s and 265 MB for a 20 MB answer) (>= 1)."""
 
 
 @dataclass

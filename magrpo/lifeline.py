@@ -19,20 +19,25 @@ runs: a small watcher ends them (SIGTERM, then SIGKILL) when the trainer dies.
 
 Why not less: PR_SET_PDEATHSIG covers one process (a fork or `setsid` below it escapes, and it fires
 when the spawning *thread* ends); a process group or session is left by `setsid`; a PID namespace
-needs privileges. A subreaper works as root and as any user. It does not hold against a descendant
-that changes uid (a setuid program: SIGKILL is refused), and a SIGKILL of the supervisor itself ends
-the program (its parent-death signal) but not the daemons it started.
+needs privileges. A subreaper works as root and as any user. The program runs with no_new_privs, so no
+descendant changes its uid through a setuid program (one that had refused our SIGKILL). Limits, and why
+no fix here (docs/tools.md, "Sessions"): a SIGKILL of the supervisor itself ends the program (its
+parent-death signal) but not the daemons it started, and a SIGSTOP of it leaves them all (it never
+sees the trainer die); and a process that forks and exits in a loop is chased by the /proc scan until
+caught, so it escapes when the supervisor dies first. Only the kernel holding the tree (a PID namespace
+whose init is the supervisor, or a cgroup) closes these.
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import select
 import signal
 import sys
 import time
 
-PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36  # <linux/prctl.h>
-KILL_GIVE_UP_S = 5.0  # descendants that SIGKILL cannot reach (another uid) are left after this long
+PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 36, 38  # <linux/prctl.h>
+KILL_GIVE_UP_S = 5.0  # descendants that all refuse SIGKILL (another uid) are left after this long
 
 
 def command(argv: list[str], grace_s: float | None = None) -> list[str]:
@@ -97,18 +102,29 @@ def children(pid: int) -> list[int]:
 
 def kill_all() -> dict[int, int]:
     """SIGKILL every descendant and reap them until none is left; the wait statuses of those reaped.
-    A process forked while we scan has a parent we kill: it is re-parented to us and found next round."""
-    statuses, until = {}, time.monotonic() + KILL_GIVE_UP_S
-    while time.monotonic() < until:
+    A process forked while we scan has a parent we kill: it is re-parented to us and found next round.
+    A chain that forks and exits in a loop has a new pid each round; the kernel refuses a fork to a
+    process with a SIGKILL pending, so some round catches it: we chase for as long as anything left takes
+    the signal, and give up only on descendants that have all refused it (another uid) for KILL_GIVE_UP_S."""
+    statuses, refused_since = {}, None
+    while True:
+        accepted = False
         for pid in descendants(os.getpid()):
             try:
                 os.kill(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
+                accepted = True
+            except ProcessLookupError:
                 pass
+            except PermissionError:
+                refused_since = refused_since or time.monotonic()
         try:
             while (reaped := os.waitpid(-1, os.WNOHANG))[0]:
                 statuses[reaped[0]] = reaped[1]
         except ChildProcessError:  # no child left, so no descendant: each one's ancestors lead here
+            break
+        if accepted:
+            refused_since = None
+        elif refused_since is not None and time.monotonic() - refused_since > KILL_GIVE_UP_S:
             break
         time.sleep(0.01)
     return statuses
@@ -138,6 +154,10 @@ def spawn(libc, argv: list[str]) -> tuple[int, str]:
     if pid == 0:
         try:
             libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+            # No exec below gains a user or a capability (setuid bits, file capabilities): a descendant
+            # of another uid refuses our SIGKILL and outlived the trainer. Inherited, and cannot be unset.
+            if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+                raise RuntimeError(f"prctl(PR_SET_NO_NEW_PRIVS): {os.strerror(ctypes.get_errno())}")
             if os.getppid() == supervisor:  # else it died before the prctl: nothing to run for
                 os.execvp(argv[0], argv)
         except BaseException as e:  # noqa: BLE001  (anything: the parent reports it)
@@ -155,8 +175,6 @@ def spawn(libc, argv: list[str]) -> tuple[int, str]:
 
 
 def supervise(trainer: int, grace_s: float | None, argv: list[str]) -> int:
-    import ctypes
-
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
         print(f"lifeline: prctl(PR_SET_CHILD_SUBREAPER): {os.strerror(ctypes.get_errno())}", file=sys.stderr)

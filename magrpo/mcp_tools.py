@@ -137,6 +137,7 @@ def check_size(tool: Tool, key: str, server: McpServerConfig) -> None:
 
 
 PYTHON = ("python", "python3")  # a stdio server's command naming these runs under sys.executable
+RELAY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mcp_relay.py")
 
 
 def transport(server: McpServerConfig, stderr):
@@ -155,7 +156,9 @@ def transport(server: McpServerConfig, stderr):
                                                                                       path=env.get("PATH"))
         if executable is None:  # found here, as the SDK would have: the supervisor could only say it later
             raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), server.command[0])
-        argv = lifeline.command([executable, *server.command[1:]], grace_s=1.0)
+        # Through a relay that drops any line of its stdout past max_message_bytes (magrpo/mcp_relay.py).
+        relay = [sys.executable, "-I", "-S", RELAY, str(server.max_message_bytes), "--"]
+        argv = lifeline.command([*relay, executable, *server.command[1:]], grace_s=1.0)
         return stdio_client(StdioServerParameters(command=argv[0], args=argv[1:], env=env), errlog=stderr)
     from mcp.client.streamable_http import streamable_http_client
 

@@ -373,6 +373,7 @@ def validate_tools(cfg: TrainConfig) -> None:
             raise ConfigError(f"tools.mcp[{i}].url", f"{server.url!r} is not an http:// or https:// URL")
         above(f"tools.mcp[{i}].start_timeout_s", server.start_timeout_s, 0)
         at_least(f"tools.mcp[{i}].max_schema_chars", server.max_schema_chars, 1)
+        at_least(f"tools.mcp[{i}].max_message_bytes", server.max_message_bytes, 1)
     if not t.names and not t.mcp:
         return
     from .tools import resolve

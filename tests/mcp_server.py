@@ -28,6 +28,22 @@ async def wait(seconds: float) -> str:
 
 
 @server.tool()
+def big(size: int) -> str:
+    """An answer of `size` characters (a tool that reads a huge file, or a shell tool running `yes`)."""
+    return "x" * size
+
+
+@server.tool()
+def shout(size: int) -> str:
+    """Write `size` characters to the server's stderr (a server that logs a lot)."""
+    import sys
+
+    sys.stderr.write("y" * size + "\n")
+    sys.stderr.flush()
+    return "done"
+
+
+@server.tool()
 def pid() -> str:
     """The server's process id (a test checks it is gone after the run)."""
     import os

@@ -13,6 +13,7 @@ import pytest
 from magrpo.config import McpServerConfig, TrainConfig
 from magrpo.errors import ConfigError
 from magrpo.tools import Tool, ToolCall, execute_calls
+from tests import nobody
 from tests.daemons import KINDS, after_sigkill, alive, survivors
 
 # It counts the host's processes, /tmp entries or SysV objects: it runs alone (.ci/run, docs/testing.md).
@@ -53,6 +54,12 @@ def server_processes(marker: str) -> list[int]:
     return pids
 
 
+def uid(pid: int) -> int:
+    """The process's real uid."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(status.split("\nUid:")[1].split()[0])
+
+
 def free_port() -> int:
     import socket
 
@@ -75,7 +82,7 @@ def call(tools, *calls: ToolCall):
 
 
 def test_discovery_gives_each_tool_its_openai_schema(opened):
-    assert list(opened) == ["add", "fail", "wait", "pid", "daemon"]
+    assert list(opened) == ["add", "fail", "wait", "big", "shout", "pid", "daemon"]
     add = opened["add"].schema
     assert add["name"] == "add" and add["description"] == "Add two integers."
     assert add["parameters"]["required"] == ["a", "b"]
@@ -171,15 +178,24 @@ execute_calls([ToolCall("wait", {"seconds": 3600})], tools, 3600.0, 1000, 8)
 """
 
 
-def test_a_trainer_killed_by_sigkill_mid_call_takes_its_server_and_the_daemons_along():
+@pytest.mark.parametrize("user", ["own", "nobody"])
+def test_a_trainer_killed_by_sigkill_mid_call_takes_its_server_and_the_daemons_along(user):
+    """As the test's own user, and (for a root test run) as `nobody` with the venv's own Python and `mcp`
+    SDK (tests/nobody.py: the venv may sit where `nobody` cannot read): the real start path."""
     import subprocess
     import time
 
-    trainer = subprocess.Popen([sys.executable, "-c", TRAINER, str(ROOT)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    argv = [sys.executable, "-c", TRAINER, str(ROOT)]
+    if user == "nobody":
+        if reason := nobody.unavailable():
+            pytest.skip(reason)
+        argv = nobody.command(argv, [str(ROOT)])
+    trainer = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, text=True)
     pids: list[int] = []
     try:
         pids += [int(trainer.stdout.readline()) for _ in range(3)]  # the server, then its two daemons
         assert all(alive(p) for p in pids)
+        assert {uid(p) for p in pids} == {nobody.NOBODY if user == "nobody" else os.getuid()}
         time.sleep(0.5)  # the `wait` call is under way
     finally:
         left = after_sigkill(trainer, pids)
@@ -188,7 +204,7 @@ def test_a_trainer_killed_by_sigkill_mid_call_takes_its_server_and_the_daemons_a
 
 def test_a_selection_of_a_tool_the_server_lacks_names_what_it_has():
     with pytest.raises(ConfigError, match=r"^tools\.mcp\[0\]\.tools: 'mul': not a tool of the server .*; it has: "
-                                          r"add, fail, wait, pid, daemon$"):
+                                          r"add, fail, wait, big, shout, pid, daemon$"):
         open_servers([server(tools=["add", "mul"])])
 
 
@@ -208,9 +224,10 @@ def test_bad_entries_stop_at_start_up_in_one_line(run_cli):
     assert code == 2 and "tools.mcp[0].url" in lines[-1]
     code, lines = run_cli("tools.mcp=[{cmd:[x]}]")
     assert code == 2 and lines[-1].endswith("tools.mcp[i].cmd: unknown key; allowed: command, url, tools, env, "
-                                            "start_timeout_s, max_schema_chars")
-    code, lines = run_cli("tools.mcp=[{command:[x],max_schema_chars:0}]")
-    assert code == 2 and "tools.mcp[0].max_schema_chars" in lines[-1]
+                                            "start_timeout_s, max_schema_chars, max_message_bytes")
+    for key in ("max_schema_chars", "max_message_bytes"):
+        code, lines = run_cli(f"tools.mcp=[{{command:[x],{key}:0}}]")
+        assert code == 2 and f"tools.mcp[0].{key}" in lines[-1]
 
 
 def test_a_tool_schema_past_max_schema_chars_stops_at_start_up_in_one_line():
@@ -256,6 +273,50 @@ def test_a_servers_answer_holding_a_lone_surrogate_is_an_error_and_the_session_g
         assert (refused.error, answered.text) == ("timeout", "fine")
     finally:
         opened.close()
+
+
+def test_an_answer_past_max_message_bytes_fails_the_call_at_once_and_the_session_goes_on():
+    """The SDK's client copies a line's whole text for each chunk it gets: a 20 MB answer took it 28 s
+    and 265 MB, in the thread that serves every call. A relay drops such a line as it streams and answers
+    the call with an error naming the size."""
+    opened = open_servers([server(max_message_bytes=100_000)])
+    [tools] = opened.tools
+    try:
+        big, small, add = call({t.name: t for t in tools}, ToolCall("big", {"size": 300_000}),
+                               ToolCall("big", {"size": 1_000}), ToolCall("add", {"a": 1, "b": 2}))
+    finally:
+        opened.close()
+    # (the text twice: as content and as structured content)
+    assert (big.error, big.text) == ("raised", "error: 'big' raised MCPError: the server's answer was 600,123 bytes, "
+                                               "past max_message_bytes (100,000)")
+    assert (small.error, small.text, add.error, add.text) == (None, "x" * 1000, None, "3")
+
+
+def test_the_file_that_keeps_a_servers_stderr_stays_bounded_over_the_run(opened):
+    """The trainer keeps a server's stderr in a temporary file for the whole run (its last line explains a
+    failed start); a server that logs every call (MCPServer's default) or a tool's arguments grew it
+    without end. The relay empties it past STDERR_BYTES, keeping the last TAIL bytes."""
+    from magrpo.mcp_relay import STDERR_BYTES
+
+    [pid] = call(opened, ToolCall("pid", {}))
+    relay = int(Path(f"/proc/{pid.text}/stat").read_text().rsplit(")", 1)[1].split()[1])  # the server's parent
+    for _ in range(3):
+        [r] = call(opened, ToolCall("shout", {"size": STDERR_BYTES // 2}))
+        assert (r.error, r.text) == (None, "done")
+    kept = os.stat(f"/proc/{relay}/fd/2")  # the trainer's file, as the relay writes it
+    assert kept.st_size <= STDERR_BYTES and kept.st_blocks * 512 <= STDERR_BYTES + (1 << 16)
+
+
+def test_the_relay_drops_a_long_line_that_answers_nothing_and_passes_the_rest():
+    from magrpo.mcp_relay import Lines
+
+    notice = b'{"jsonrpc":"2.0","method":"notifications/message","params":{"data":"' + b"y" * 5000 + b'"}}\n'
+    theirs, sink = os.pipe()
+    bad_id = b'{"jsonrpc":"2.0","id":"\\u12","result":"' + b"w" * 2000 + b'"}\n'  # an escape that does not parse
+    Lines(sink, 1000).add(notice + b'{"jsonrpc":"2.0","id":7,"result":{}}\n' + bad_id + b"z" * 3000 + b"\n" + b"tail")
+    os.close(sink)
+    with os.fdopen(theirs, "rb") as f:
+        assert f.read() == b'{"jsonrpc":"2.0","id":7,"result":{}}\n'  # no answer for lines without an id
 
 
 def test_a_server_that_never_answers_times_out(monkeypatch):
