@@ -166,7 +166,7 @@ def run_comlrl(task: Task, mode: str, prompts: int, turns: int, seed: int) -> di
     seed_all(seed)
     t0 = time.perf_counter()
     trainer = comlrl_trainer(task, replace(TREE, turns=turns), mode, problems,
-                             on_reward=lambda _problem, r: rewards_seen.append(r))
+                             on_reward=lambda _problem, _texts, r: rewards_seen.append(r))
     load_s = time.perf_counter() - t0
     trainer.verbose = False  # workaround: no tqdm bar (comlrl reads verbosity from a wandb config)
 

@@ -32,11 +32,12 @@ class Task:
         from magrpo.tiny import TinySpec
         return TinySpec(hidden_size=self.hidden_size, num_hidden_layers=self.layers)
 
-    def environment(self):
+    def environment(self, **config: Any):
+        """The env with its Config's defaults, but for `config` (e.g. train_size)."""
         from magrpo.env import ENVS
         importlib.import_module(self.module)
         cls = ENVS.get(self.env)
-        return cls(cls.Config())
+        return cls(cls.Config(**config))
 
     def feedback_fn(self):
         return getattr(importlib.import_module(self.module), self.feedback)
@@ -100,10 +101,11 @@ def magrpo_overrides(task: Task, tree: Tree, mode: str, prompts: int, batch_size
 
 
 def comlrl_trainer(task: Task, tree: Tree, mode: str, problems: list[dict],
-                   on_reward: Callable[[dict, float], None] | None = None, **config: Any):
+                   on_reward: Callable[[dict, list[str], float], None] | None = None, **config: Any):
     """CoMLRL's MAGRPOTrainer on `problems` (trained in this order, one epoch unless `config` says
     otherwise), one model and tokenizer per agent from the task's tiny model folder. `config`: more
-    MAGRPOConfig fields (e.g. agent_learning_rate). `on_reward(problem, reward)` sees every reward."""
+    MAGRPOConfig fields (e.g. agent_learning_rate). `on_reward(problem, texts, reward)` sees every
+    scored joint action."""
     from comlrl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -122,9 +124,10 @@ def comlrl_trainer(task: Task, tree: Tree, mode: str, problems: list[dict],
 
     def reward(*agent_completions, batch_items=None):
         # comlrl calls this with one list of one completion per agent and batch_items=[problem].
-        r = env.rewards([batch_items[0]], [[c[0] for c in agent_completions]])[0]
+        texts = [c[0] for c in agent_completions]
+        r = env.rewards([batch_items[0]], [texts])[0]
         if on_reward is not None:
-            on_reward(batch_items[0], r)
+            on_reward(batch_items[0], texts, r)
         return [r]
 
     args = MAGRPOConfig(**{

@@ -71,9 +71,11 @@ class Settings:
     seeds: tuple[int, ...] = (0, 1, 2)
     prompts: int = 48  # prompts per run = steps (one prompt per step), one epoch over a split of this size
     tree: Tree = field(default_factory=Tree)
-    lr: float = 1e-3  # both sides, every agent
+    lr: float = 3e-3  # both sides, every agent: both learn visibly within 24 prompts (docs/results/parity.md)
     threads: int = 1  # torch intra-op threads of every run (OMP_NUM_THREADS)
     window: int = 8  # prompts averaged for the "first" and "last" rewards of the table
+    magrpo_extra: tuple[str, ...] = ()  # more train.py overrides (after MAGRPO_SETTINGS: they win)
+    comlrl_extra: tuple[tuple[str, object], ...] = ()  # more MAGRPOConfig fields (over COMLRL_SETTINGS)
 
 
 QUICK = Settings(seeds=(0,), prompts=2, tree=Tree(k=2, turns=2, max_new_tokens=6), window=1)
@@ -92,7 +94,7 @@ def magrpo_command(s: Settings, mode: str, seed: int, run_dir: Path) -> list[str
     full = ", ".join(["{finetune: full}"] * s.tree.num_agents)
     return [sys.executable, str(ROOT / "train.py"),
             *magrpo_overrides(TASKS[s.task], s.tree, mode, s.prompts, 1, seed),
-            f"agents=[{full}]", f"trainer.lr={s.lr}", *MAGRPO_SETTINGS,
+            f"agents=[{full}]", f"trainer.lr={s.lr}", *MAGRPO_SETTINGS, *s.magrpo_extra,
             "eval.at_end=false", "eval.every=0", "logging.progress=false", "logging.rollouts=true",
             "logging.samples_every=0", "logging.wandb.mode=disabled", f"logging.run_dir={run_dir}"]
 
@@ -100,7 +102,7 @@ def magrpo_command(s: Settings, mode: str, seed: int, run_dir: Path) -> list[str
 def comlrl_spec(s: Settings, mode: str, seed: int) -> dict:
     return {"task": s.task, "mode": mode, "seed": seed, "tree": asdict(s.tree),
             "problems": problem_order(s.task, s.prompts, seed),
-            "config": {"agent_learning_rate": s.lr, **COMLRL_SETTINGS}}
+            "config": {"agent_learning_rate": s.lr, **COMLRL_SETTINGS, **dict(s.comlrl_extra)}}
 
 
 def child_env(threads: int) -> dict[str, str]:
@@ -124,17 +126,19 @@ def run_magrpo(s: Settings, mode: str, seed: int, work: Path) -> dict:
 
 
 def magrpo_record(run_dir: Path, s: Settings, mode: str, seed: int) -> dict:
-    """The run's steps in the CoMLRL side's shape: problem, seconds (perf/step_s: rollout + update) and
-    the rewards of each turn (from rollouts.jsonl: every joint action of the step's one tree)."""
+    """The run's steps in the CoMLRL side's shape: problem, seconds (perf/step_s: rollout + update), the
+    rewards of each turn (from rollouts.jsonl: every joint action of the step's one tree) and the texts
+    of the root's first joint action."""
     metrics = {r["step"]: r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
     steps = []
     for tree in map(json.loads, (run_dir / "rollouts.jsonl").read_text().splitlines()):
         turns = [[] for _ in range(s.tree.turns)]
         for node in tree["nodes"]:
             turns[node["turn"]].extend(j["reward"] for j in node["joint_actions"])
-        m = metrics[tree["step"]]
+        m, root = metrics[tree["step"]], tree["nodes"][0]
+        sample = [root["completions"][agent][k] for agent, k in enumerate(root["joint_actions"][0]["agents"])]
         steps.append({"step": tree["step"], "problem": tree["problem"]["id"], "seconds": m["perf/step_s"],
-                      "turn_rewards": turns, "gen_s": m["perf/gen_s"], "update_s": m["perf/update_s"],
+                      "turn_rewards": turns, "sample": sample, "gen_s": m["perf/gen_s"], "update_s": m["perf/update_s"],
                       "optimizer_steps": [1] * s.tree.num_agents})
     config = json.loads((run_dir / "config.json").read_text())
     return {"library": "magrpo", "task": s.task, "mode": mode, "seed": seed, "tree": asdict(s.tree),
@@ -254,8 +258,20 @@ def settings_from(a: argparse.Namespace) -> Settings:
     sizes = {"k": a.k, "turns": a.turns, "max_new_tokens": a.max_new_tokens}
     tree = replace(base.tree, **{k: v for k, v in sizes.items() if v is not None})
     given = {"modes": tuple(a.modes) if a.modes else None, "prompts": a.prompts, "lr": a.lr, "threads": a.threads,
-             "window": a.window, "seeds": tuple(range(a.seeds)) if a.seeds else None}
+             "window": a.window, "seeds": tuple(range(a.seeds)) if a.seeds else None,
+             "magrpo_extra": tuple(a.magrpo) or None, "comlrl_extra": tuple(map(config_item, a.comlrl)) or None}
     return replace(base, tree=tree, **{k: v for k, v in given.items() if v is not None})
+
+
+def config_item(text: str) -> tuple[str, object]:
+    """'key=value' -> (key, value), the value read as JSON when it is JSON (2, 0.5, true, null), else a string."""
+    key, sep, value = text.partition("=")
+    if not sep:
+        raise SystemExit(f"parity: --comlrl {text!r} is not key=value")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -264,12 +280,16 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--modes", nargs="+", choices=["align", "cross"], help="joint modes (default both)")
     p.add_argument("--seeds", type=int, help="seeds 0..N-1 (default 3)")
     p.add_argument("--prompts", type=int, help="prompts per run, one per step (default 48)")
-    p.add_argument("--lr", type=float, help="learning rate of every agent, both libraries (default 1e-3)")
+    p.add_argument("--lr", type=float, help="learning rate of every agent, both libraries (default 3e-3)")
     p.add_argument("--k", type=int, help="completions per agent and node (default 4)")
     p.add_argument("--turns", type=int, help="turns per tree (default 2)")
     p.add_argument("--max-new-tokens", type=int, help="tokens per completion (default 32)")
     p.add_argument("--threads", type=int, help="torch threads of every run (default 1)")
     p.add_argument("--window", type=int, help="prompts per table average and plot smoothing (default 8)")
+    p.add_argument("--magrpo", action="append", default=[], metavar="OVERRIDE",
+                   help="one more train.py override for the magrpo side (repeatable)")
+    p.add_argument("--comlrl", action="append", default=[], metavar="KEY=VALUE",
+                   help="one more MAGRPOConfig field for the CoMLRL side, e.g. rollout_buffer_size=5 (repeatable)")
     p.add_argument("--sides", nargs="+", choices=LIBRARIES, default=list(LIBRARIES), help="libraries to run")
     p.add_argument("--comlrl-python", type=Path, default=COMLRL_VENV / "bin" / "python",
                    help="CoMLRL's venv python (default $MAGRPO_COMLRL_VENV or ~/.cache/magrpo/comlrl-venv)")

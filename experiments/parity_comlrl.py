@@ -53,6 +53,7 @@ class Probe:
     def __init__(self, trainer, tree: Tree, mode: str):
         self.tree, self.order = tree, turn_order(tree.joint_actions(mode), tree.turns)
         self.rewards: list[float] = []
+        self.sample: list[str] = []
         self.counts = self._zero()
         self.records: list[dict] = []
         trainer._generate_completions = self._timed(trainer._generate_completions, "gen_s", self._count_tokens)
@@ -94,12 +95,15 @@ class Probe:
             self.finish(batch_item["id"], time.perf_counter() - start)
         return wrapped
 
-    def reward(self, _problem: dict, reward: float) -> None:
+    def reward(self, _problem: dict, texts: list[str], reward: float) -> None:
+        if not self.rewards:  # the tree's first joint action: a sample of what the agents write
+            self.sample = texts
         self.rewards.append(reward)
 
     def finish(self, problem_id: str, seconds: float) -> None:
         self.records.append({"step": len(self.records) + 1, "problem": problem_id, "seconds": seconds,
-                             "turn_rewards": per_turn(self.rewards, self.order, self.tree.turns), **self.counts})
+                             "turn_rewards": per_turn(self.rewards, self.order, self.tree.turns),
+                             "sample": self.sample, **self.counts})
         self.rewards, self.counts = [], self._zero()
 
 
@@ -116,13 +120,13 @@ def run(spec: dict) -> dict:
     import transformers
 
     task, tree, mode = TASKS[spec["task"]], Tree(**spec["tree"]), spec["mode"]
-    train = task.environment().problems("train")
+    train = task.environment(train_size=len(spec["problems"])).problems("train")  # magrpo's env.train_size
     problems = [train[i] for i in spec["problems"]]
     probe: Probe | None = None
     transformers.utils.logging.disable_progress_bar()  # a "Loading weights" bar per model otherwise
     seed_all(spec["seed"])
     start = time.perf_counter()
-    trainer = comlrl_trainer(task, tree, mode, problems, on_reward=lambda p, r: probe.reward(p, r), **spec["config"])
+    trainer = comlrl_trainer(task, tree, mode, problems, on_reward=lambda *a: probe.reward(*a), **spec["config"])
     load_s = time.perf_counter() - start
     trainer.verbose = False  # no tqdm bar (comlrl reads verbosity from a wandb config, which is not passed)
     probe = Probe(trainer, tree, mode)
