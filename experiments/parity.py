@@ -253,6 +253,20 @@ def plot(records: list[dict], s: Settings, path: Path) -> Path | None:
 
 # ---------------------------------------------------------------- main
 
+def machine() -> dict:
+    """Where and with what the runs were made: CPU, load, this checkout's commit, magrpo side's versions."""
+    from importlib.metadata import version
+
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), "?") if Path("/proc/cpuinfo").exists() else "?"
+    git = ["git", "-C", str(ROOT)]
+    commit = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    dirty = bool(subprocess.run([*git, "status", "--porcelain"], capture_output=True, text=True).stdout.strip())
+    return {"cpu": cpu, "cpu_count": os.cpu_count(), "load_average": os.getloadavg(),
+            "commit": commit + (" (with uncommitted changes)" if dirty else ""),
+            "versions": {name: version(name) for name in ("torch", "transformers", "peft")}}
+
+
 def settings_from(a: argparse.Namespace) -> Settings:
     base = QUICK if a.quick else Settings()
     sizes = {"k": a.k, "turns": a.turns, "max_new_tokens": a.max_new_tokens}
@@ -305,7 +319,7 @@ def main(argv: list[str] | None = None) -> dict:
                          "(or pass --sides magrpo)")
     runs_dir = a.out / "runs"
     runs_dir.mkdir(parents=True, exist_ok=True)
-    records, started = [], time.time()
+    records, started, before = [], time.time(), machine()
     with tempfile.TemporaryDirectory(prefix="magrpo-parity-") as tmp:
         for mode in s.modes:
             for seed in s.seeds:
@@ -320,7 +334,8 @@ def main(argv: list[str] | None = None) -> dict:
     rows = summarise(records, s)
     result = {"settings": asdict(s), "magrpo_settings": list(MAGRPO_SETTINGS), "comlrl_settings": COMLRL_SETTINGS,
               "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(started)),
-              "wall_s": time.time() - started, "summary": rows, "records": records}
+              "wall_s": time.time() - started, "machine": before, "load_average_after": os.getloadavg(),
+              "summary": rows, "records": records}
     (a.out / "parity.json").write_text(json.dumps(result, indent=1))
     picture = plot(records, s, a.out / "parity.png")
     print(table(rows, s))
