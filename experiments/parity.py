@@ -66,6 +66,8 @@ COMLRL_SETTINGS = {"rollout_buffer_size": 2, "advantage_mode": "mean", "advantag
 
 @dataclass(frozen=True)
 class Settings:
+    """What one comparison runs: the same for both libraries."""
+
     task: str = "length_ratio"
     modes: tuple[str, ...] = ("align", "cross")
     seeds: tuple[int, ...] = (0, 1, 2)
@@ -81,7 +83,7 @@ class Settings:
 QUICK = Settings(seeds=(0,), prompts=2, tree=Tree(k=2, turns=2, max_new_tokens=6), window=1)
 
 
-def problem_order(task: str, prompts: int, seed: int) -> list[int]:
+def problem_order(prompts: int, seed: int) -> list[int]:
     """Indices of the train problems magrpo trains on, in its order, for this seed and one prompt per
     step (its own sampler, so the CoMLRL side gets exactly these)."""
     from magrpo.trainer import ProblemSampler
@@ -101,7 +103,7 @@ def magrpo_command(s: Settings, mode: str, seed: int, run_dir: Path) -> list[str
 
 def comlrl_spec(s: Settings, mode: str, seed: int) -> dict:
     return {"task": s.task, "mode": mode, "seed": seed, "tree": asdict(s.tree),
-            "problems": problem_order(s.task, s.prompts, seed),
+            "problems": problem_order(s.prompts, seed),
             "config": {"agent_learning_rate": s.lr, **COMLRL_SETTINGS, **dict(s.comlrl_extra)}}
 
 

@@ -37,11 +37,11 @@ def test_comlrl_reward_calls_are_grouped_by_turn_in_tree_order(comlrl_side):
 def test_the_problem_order_is_the_one_magrpo_draws(parity):
     from magrpo.trainer import ProblemSampler
 
-    order = parity.problem_order("length_ratio", 6, seed=3)
+    order = parity.problem_order(6, seed=3)
     assert sorted(order) == list(range(6))  # one epoch: each problem once
     sampler = ProblemSampler(list(range(6)), 3)
     assert order == [sampler.next(1)[0] for _ in range(6)]
-    assert parity.problem_order("length_ratio", 6, seed=4) != order
+    assert parity.problem_order(6, seed=4) != order
 
 
 def check_record(record: dict, settings, mode: str) -> None:
@@ -65,7 +65,7 @@ def test_quick_magrpo_side_writes_curves_summary_and_plot(parity, tmp_path):
     assert list(result["settings"]["modes"]) == ["cross"]
     for record in result["records"]:
         check_record(record, s, record["mode"])
-        order = parity.problem_order(s.task, s.prompts, record["seed"])
+        order = parity.problem_order(s.prompts, record["seed"])
         assert [step["problem"] for step in record["steps"]] == [f"train-{i}" for i in order]
         trainer = record["config"]["trainer"]  # what train.py ran with: CoMLRL's update settings
         assert (trainer["batch_size"], trainer["lr"], trainer["max_grad_norm"], trainer["weight_decay"]) == (
@@ -92,7 +92,7 @@ def test_quick_comlrl_side_writes_records_of_the_same_shape(parity, tmp_path):
     check_record(record, s, "cross")
     assert record["versions"]["comlrl"] == "1.4.3"
     assert record["config"]["agent_learning_rate"] == s.lr and record["config"]["rollout_buffer_size"] == 2
-    order = parity.problem_order(s.task, s.prompts, 0)
+    order = parity.problem_order(s.prompts, 0)
     assert [step["problem"] for step in record["steps"]] == [f"train-{i}" for i in order]
     # Each agent's node samples, in tree order, fill rollout buffers of 2; a buffer takes one optimizer step
     # per turn it holds. 2 trees of 5 nodes (root r, 4 children c): (r,c) 2, (c,c) 1, (c,r) 2, (c,c) 1, (c,c) 1.
