@@ -77,8 +77,9 @@ class Probe:
         return wrapped
 
     def _count_tokens(self, out: dict) -> None:
-        # response_lens: tokens up to the first pad (what the decoded text holds); the loss reads every
-        # generated position (comlrl magrpo.py: completion_input_ids[s, prompt_len:] is the target).
+        # response_lens: tokens up to the first pad (what the decoded text holds). trained_tokens: the
+        # rows' width, whose positions CoMLRL's loss reads, pads included, all but each row's last
+        # (comlrl 1.4.3 magrpo.py 1251, 1662, 1673).
         self.counts["response_tokens"] += sum(out["response_lens"])
         self.counts["trained_tokens"] += sum(len(t) for t in out["completion_input_ids"][0])
 
