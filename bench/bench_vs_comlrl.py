@@ -56,7 +56,7 @@ import random
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import replace
 from pathlib import Path
 
 os.environ.setdefault("WANDB_MODE", "disabled")
@@ -69,51 +69,11 @@ for folder in (ROOT, ROOT / "bench"):  # envs/ and external/ live at the repo ro
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from comlrl_pair import COMLRL_MODE, TASKS, Task, Tree, comlrl_trainer, magrpo_overrides  # noqa: E402
 
-NUM_AGENTS, K, T, MAX_NEW = 2, 4, 2, 32
-COMLRL_MODE = {"align": "aligned", "cross": "cross"}
+TREE = Tree()  # N=2 agents, K=4, T=2, 32 new tokens, temperature 1.0, top_p 1.0, top_k off
+NUM_AGENTS, K, T, MAX_NEW = TREE.num_agents, TREE.k, TREE.turns, TREE.max_new_tokens
 DEFAULT_COMLRL_PROMPTS = {"align": 8, "cross": 4}
-
-
-@dataclass(frozen=True)
-class Task:
-    """An env, its between-turn feedback and a tiny model, the same for both libraries."""
-
-    about: str
-    env: str  # registered env name
-    module: str  # where the env and its feedback function live
-    feedback: str  # the feedback function's name in that module
-    marker: str  # text every feedback prompt contains (to count comlrl's feedback prompts)
-    hidden_size: int = 128  # the tiny model (magrpo.tiny.TinySpec)
-    layers: int = 2
-    overrides: tuple[str, ...] = ()  # magrpo overrides beyond the shared ones
-
-    def spec(self):
-        from magrpo.tiny import TinySpec
-        return TinySpec(hidden_size=self.hidden_size, num_hidden_layers=self.layers)
-
-    def environment(self):
-        import importlib
-
-        from magrpo.env import ENVS
-        importlib.import_module(self.module)
-        cls = ENVS.get(self.env)
-        return cls(cls.Config())
-
-    def feedback_fn(self):
-        import importlib
-        return getattr(importlib.import_module(self.module), self.feedback)
-
-
-TASKS = {
-    "length_ratio": Task("length-ratio env, tiny model (hidden 128, 2 layers)", "length_ratio",
-                         "magrpo.envs.length_ratio", "length_ratio_feedback", "Last turn lengths",
-                         overrides=("env.num_agents=2",)),
-    # A user's plugin env on another tiny model: deeper and narrower, so more per-token overhead.
-    "keyword_relay": Task("keyword-relay plugin env (bench/keyword_task.py), tiny model (hidden 64, 4 layers)",
-                          "keyword_relay", "keyword_task", "keyword_relay_feedback", "Try again.",
-                          hidden_size=64, layers=4, overrides=("plugins=[keyword_task]",)),
-}
 
 
 def log(msg: str) -> None:
@@ -141,24 +101,7 @@ def run_magrpo(task: Task, mode: str, prompts: int, batch_size: int, turns: int,
     with tempfile.TemporaryDirectory(prefix="magrpo-bench-") as tmp:
         run_dir = Path(tmp) / "run"
         cfg = compose([
-            f"env={task.env}",
-            "model=tiny",
-            f"model.tiny_hidden_size={task.hidden_size}",
-            f"model.tiny_layers={task.layers}",
-            *task.overrides,
-            f"env.train_size={prompts}",
-            f"external.mode={task.env}",
-            f"trainer.num_generations={K}",
-            f"trainer.num_turns={turns}",
-            f"trainer.joint_mode={mode}",
-            "trainer.early_termination_threshold=null",
-            f"trainer.batch_size={batch_size}",
-            f"trainer.steps={prompts // batch_size}",
-            f"trainer.seed={seed}",
-            f"generation.max_new_tokens={MAX_NEW}",
-            "generation.temperature=1.0",
-            "generation.top_p=1.0",
-            "generation.top_k=0",
+            *magrpo_overrides(task, replace(TREE, turns=turns), mode, prompts, batch_size, seed),
             "logging.progress=false",
             "logging.rollouts=false",
             "logging.wandb.mode=disabled",
@@ -218,60 +161,12 @@ def _all_turn_reward(rows: list[dict], turns: int, joint: int) -> float:
 # ---------------------------------------------------------------- comlrl
 
 def run_comlrl(task: Task, mode: str, prompts: int, turns: int, seed: int) -> dict:
-    from comlrl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from magrpo.tiny import tiny_model_path
-
-    env = task.environment()
-    problems = env.problems("train")[:prompts]
-    path = str(tiny_model_path(task.spec()))
-
-    def formatter(i: int):
-        # comlrl passes external_prompts (the feedback text) on turns after the first; without this
-        # parameter it would silently re-send the turn-0 prompt on every turn.
-        def fmt(item, external_prompts=None):
-            return external_prompts if external_prompts is not None else env.agent_prompts(item)[i]
-        return fmt
-
+    problems = task.environment().problems("train")[:prompts]
     rewards_seen: list[float] = []
-
-    def reward(*agent_completions, batch_items=None):
-        # comlrl calls this with one list of one completion per agent and batch_items=[problem].
-        r = env.rewards([batch_items[0]], [[c[0] for c in agent_completions]])[0]
-        rewards_seen.append(r)
-        return [r]
-
     seed_all(seed)
     t0 = time.perf_counter()
-    agents = [AutoModelForCausalLM.from_pretrained(path) for _ in range(NUM_AGENTS)]
-    tokenizers = [AutoTokenizer.from_pretrained(path) for _ in range(NUM_AGENTS)]
-    args = MAGRPOConfig(
-        num_train_epochs=1,
-        num_agents=NUM_AGENTS,
-        num_generations=K,
-        max_new_tokens=MAX_NEW,
-        temperature=1.0,
-        top_p=1.0,
-        top_k=0,
-        num_turns=turns,
-        joint_mode=COMLRL_MODE[mode],
-        early_termination_threshold=None,
-        eval_interval=0,
-        agent_devices="cpu",
-    )
-    trainer = MAGRPOTrainer(
-        agents=agents,
-        num_agents=NUM_AGENTS,
-        tokenizer=tokenizers,
-        train_dataset=Dataset.from_list(problems),
-        reward_func=reward,
-        formatters=[formatter(i) for i in range(NUM_AGENTS)],
-        external_transition=task.feedback_fn() if turns > 1 else None,
-        wandb_config=None,
-        args=args,
-    )
+    trainer = comlrl_trainer(task, replace(TREE, turns=turns), mode, problems,
+                             on_reward=lambda _problem, _texts, r: rewards_seen.append(r))
     load_s = time.perf_counter() - t0
     trainer.verbose = False  # workaround: no tqdm bar (comlrl reads verbosity from a wandb config)
 

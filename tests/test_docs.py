@@ -13,7 +13,8 @@ import pytest
 from magrpo.config import TrainConfig
 from tests.conftest import ROOT
 
-DOCS = sorted((ROOT / "docs").glob("*.md"))
+# reference pages, then the result pages (docs/results/)
+DOCS = sorted((ROOT / "docs").glob("*.md")) + sorted((ROOT / "docs" / "results").glob("*.md"))
 
 
 def load_script(name: str):

@@ -1,0 +1,100 @@
+"""experiments/parity.py (issue 47, part 2) does not rot: its quick mode trains magrpo through train.py
+(and CoMLRL in its own venv, where scripts/setup_comlrl.sh made one) and writes per-prompt reward
+records, a summary and a plot of the documented shape; both sides get the same problems in the same
+order; CoMLRL's reward calls are read back per turn in the order its trees make them."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.conftest import experiment_module
+
+pytestmark = pytest.mark.slow  # train.py / CoMLRL subprocesses
+
+
+@pytest.fixture(scope="module")
+def parity():
+    yield from experiment_module("parity")
+
+
+@pytest.fixture(scope="module")
+def comlrl_side():
+    yield from experiment_module("parity_comlrl")  # imports no CoMLRL until it runs
+
+
+def test_comlrl_reward_calls_are_grouped_by_turn_in_tree_order(comlrl_side):
+    # a node scores its J joint actions, then builds each child depth first
+    assert comlrl_side.turn_order(2, 2) == [0, 0, 1, 1, 1, 1]
+    assert comlrl_side.turn_order(2, 3) == [0, 0, 1, 1, 2, 2, 2, 2, 1, 1, 2, 2, 2, 2]
+    assert comlrl_side.turn_order(3, 1) == [0, 0, 0]
+    rewards = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6]
+    assert comlrl_side.per_turn(rewards, [0, 0, 1, 1, 1, 1], 2) == [[0.1, 0.2], [0.3, 0.4, 0.5, 0.6]]
+    with pytest.raises(SystemExit, match="made 5 reward calls, expected 6"):
+        comlrl_side.per_turn(rewards[:5], [0, 0, 1, 1, 1, 1], 2)  # a stopped branch: refused, not misread
+
+
+def test_the_problem_order_is_the_one_magrpo_draws(parity):
+    from magrpo.trainer import ProblemSampler
+
+    order = parity.problem_order(6, seed=3)
+    assert sorted(order) == list(range(6))  # one epoch: each problem once
+    sampler = ProblemSampler(list(range(6)), 3)
+    assert order == [sampler.next(1)[0] for _ in range(6)]
+    assert parity.problem_order(6, seed=4) != order
+
+
+def check_record(record: dict, settings, mode: str) -> None:
+    tree = settings.tree
+    joint = tree.joint_actions(mode)
+    assert record["mode"] == mode and len(record["steps"]) == settings.prompts
+    for step in record["steps"]:
+        assert [len(r) for r in step["turn_rewards"]] == [joint ** (t + 1) for t in range(tree.turns)]
+        assert all(0.0 <= r <= 1.0 for rewards in step["turn_rewards"] for r in rewards)
+        assert step["seconds"] > 0 and len(step["optimizer_steps"]) == tree.num_agents
+        assert len(step["sample"]) == tree.num_agents and all(isinstance(t, str) for t in step["sample"])
+
+
+def test_quick_magrpo_side_writes_curves_summary_and_plot(parity, tmp_path):
+    # cross only (K^N joint actions, summed credit): align takes the same path with fewer joint actions,
+    # and each train.py run costs ~15 s, mostly start-up
+    result = parity.main(["--quick", "--sides", "magrpo", "--modes", "cross", "--out", str(tmp_path)])
+    s = parity.replace(parity.QUICK, modes=("cross",))
+    assert {(r["library"], r["mode"], r["seed"]) for r in result["records"]} == {
+        ("magrpo", "cross", seed) for seed in s.seeds}
+    assert list(result["settings"]["modes"]) == ["cross"]
+    for record in result["records"]:
+        check_record(record, s, record["mode"])
+        order = parity.problem_order(s.prompts, record["seed"])
+        assert [step["problem"] for step in record["steps"]] == [f"train-{i}" for i in order]
+        trainer = record["config"]["trainer"]  # what train.py ran with: CoMLRL's update settings
+        assert (trainer["batch_size"], trainer["lr"], trainer["max_grad_norm"], trainer["weight_decay"]) == (
+            1, s.lr, 0.0, 0.01)
+        assert (trainer["advantage_scale"], trainer["cross_credit"], trainer["loss_agg"]) == ("std", "sum", "dr_grpo")
+        assert trainer["early_termination_threshold"] is None
+        assert [a["finetune"] for a in record["config"]["agents"]] == ["full"] * s.tree.num_agents
+        saved = json.loads((tmp_path / "runs" / f"magrpo_{record['mode']}_seed{record['seed']}.json").read_text())
+        assert saved == record
+    assert json.loads((tmp_path / "parity.json").read_text()) == json.loads(json.dumps(result))
+    rows = result["summary"]
+    assert [(r["mode"], r["turn"]) for r in rows] == [(m, t) for m in s.modes for t in range(s.tree.turns)]
+    assert all(r["optimizer_steps_per_prompt"] == 1.0 and r["last"]["n"] == len(s.seeds) for r in rows)
+    assert (tmp_path / "parity.png").stat().st_size > 0  # matplotlib is a magrpo dependency
+
+
+def test_quick_comlrl_side_writes_records_of_the_same_shape(parity, tmp_path):
+    python = parity.COMLRL_VENV / "bin" / "python"
+    if not python.exists():
+        pytest.skip(f"no CoMLRL venv at {parity.COMLRL_VENV} (bash scripts/setup_comlrl.sh makes it)")
+    result = parity.main(["--quick", "--sides", "comlrl", "--modes", "cross", "--out", str(tmp_path)])
+    s = parity.QUICK
+    (record,) = result["records"]
+    check_record(record, s, "cross")
+    assert record["versions"]["comlrl"] == "1.4.3"
+    assert record["config"]["agent_learning_rate"] == s.lr and record["config"]["rollout_buffer_size"] == 2
+    order = parity.problem_order(s.prompts, 0)
+    assert [step["problem"] for step in record["steps"]] == [f"train-{i}" for i in order]
+    # Each agent's node samples, in tree order, fill rollout buffers of 2; a buffer takes one optimizer step
+    # per turn it holds. 2 trees of 5 nodes (root r, 4 children c): (r,c) 2, (c,c) 1, (c,r) 2, (c,c) 1, (c,c) 1.
+    after = record["after_last_prompt"]["optimizer_steps"][0]
+    assert [step["optimizer_steps"][0] for step in record["steps"]] == [3, 4] and after == 0
