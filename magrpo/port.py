@@ -34,8 +34,13 @@ FEEDBACK_MODES = ("plain", "level_feedback", "level_passed", "passed", "expert_e
 BASELINES = {"mean": "mean", "raw": "none", "max": "max", "rloo": "rloo"}  # CoMLRL advantage_mode -> trainer.baseline
 # Always true of a port, whatever the file says (docs/porting.md).
 ALWAYS = [
-    "weights: CoMLRL trains every weight of every agent; magrpo trains one LoRA adapter per agent (lora.r=16) "
-    "on a shared frozen base model. LoRA usually wants a learning rate ~10x higher than full fine-tuning.",
+    "weights: every agent trains all its weights, as in CoMLRL (agents[i].finetune=full: a float32 copy of its "
+    "own, its memory said at start-up); finetune=lora trains an adapter on a shared base instead, which usually "
+    "wants a learning rate ~10x higher.",
+    "optimizer: CoMLRL's AdamW has torch's defaults (weight decay 0.01) and no gradient clipping; its loss sums "
+    "each completion's log-probs (trainer.loss_agg=dr_grpo weighs every token alike too). It takes one step per "
+    "drained rollout buffer and turn (3.5 per prompt aligned with its defaults), magrpo one per batch of trees "
+    "(docs/results/parity.md).",
     "tests: LLM_Collab's reward and feedback see the first `sandbox_slice` asserts; magrpo's code env runs "
     "every test case in its sandbox.",
 ]
@@ -150,14 +155,18 @@ def port(config: dict) -> Ported:
     if keys.get("model.name"):
         put("model=hf", "model.name")
         put(f"model.name={hydra_value(take('model.name'))}", "model.name")
+    simple("model.torch_dtype", "model.dtype")
+    simple("model.trust_remote_code", "model.trust_remote_code")
+    # Every agent trains its full weights, as CoMLRL's do (each its own copy).
     agents = keys.get("agents")
     if isinstance(agents, list) and agents:
         take("agents")
-        put(f"agents={hydra_value([{'model': a} for a in agents])}", "agents")
-    elif "agents" in keys and not agents:
-        done.add("agents")  # null: every agent uses model.name, as in magrpo
-    simple("model.torch_dtype", "model.dtype")
-    simple("model.trust_remote_code", "model.trust_remote_code")
+        put(f"agents={hydra_value([{'model': a, 'finetune': 'full'} for a in agents])}", "agents")
+    else:
+        if "agents" in keys:
+            done.add("agents")  # null: every agent uses model.name, as in magrpo
+        count = keys.get("magrpo.num_agents", 2)  # MAGRPOConfig's default
+        put(f"agents={hydra_value([{'finetune': 'full'}] * int(count))}", "agents")
 
     # Data: the code env's named datasets and their splits.
     name = str(keys.get("dataset.type") or keys.get("dataset.name") or "")
@@ -198,7 +207,10 @@ def port(config: dict) -> Ported:
     simple("magrpo.num_agents", "env.num_agents")
     simple("magrpo.num_turns", "trainer.num_turns")
     simple("magrpo.num_generations", "trainer.num_generations")
-    simple("magrpo.discount", "trainer.discount")
+    if "magrpo.discount" in keys:  # read into its config, never used in its returns (magrpo.py:1049-1051)
+        put("trainer.discount=1.0", "magrpo.discount",
+            f"discount: CoMLRL 1.4.3 does not use magrpo.discount ({take('magrpo.discount')} here) in training, "
+            "its returns are undiscounted; the port sets trainer.discount=1.0 to train the same")
     if "magrpo.joint_mode" in keys:
         mode = str(take("magrpo.joint_mode")).lower()
         if mode in ("align", "aligned"):
@@ -223,9 +235,10 @@ def port(config: dict) -> Ported:
 
     # Optimisation.
     if "magrpo.agent_learning_rate" in keys:
-        put(f"trainer.lr={hydra_value(take('magrpo.agent_learning_rate'))}", "magrpo.agent_learning_rate",
-            "learning rate: tuned for full fine-tuning in CoMLRL; magrpo trains LoRA adapters, which usually "
-            "need ~10x more (try 1e-4 to 2e-4 for a 2e-5 full-weight rate)")
+        put(f"trainer.lr={hydra_value(take('magrpo.agent_learning_rate'))}", "magrpo.agent_learning_rate")
+    put("trainer.weight_decay=0.01", "optimizer")  # torch's AdamW default, which CoMLRL keeps
+    put("trainer.max_grad_norm=0", "optimizer")  # CoMLRL clips no gradient
+    put("trainer.loss_agg=dr_grpo", "optimizer")  # CoMLRL: -A x the sum of a completion's log-probs
     if "magrpo.num_train_epochs" in keys:
         epochs = take("magrpo.num_train_epochs")
         size = split_size(str(keys.get("dataset.train_split", "")))

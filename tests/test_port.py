@@ -30,15 +30,18 @@ def test_aligned_is_an_alias_of_align_and_crossed_is_still_an_error():
 
 def test_example_maps_the_trainer_keys():
     ported = port(example())
-    assert ported.overrides[:5] == ["model=hf", "model.name=Qwen/Qwen2.5-Coder-1.5B", "model.dtype=bfloat16",
+    assert ported.overrides[:6] == ["model=hf", "model.name=Qwen/Qwen2.5-Coder-1.5B", "model.dtype=bfloat16",
+                                    "agents=[{finetune:full},{finetune:full}]",  # CoMLRL trains every weight
                                     "env=code", "env.dataset=humaneval"]
     for override in ["env.train_split='test[32:160]'", "trainer.seed=7", "generation.temperature=0.7",
                      "generation.top_k=0", "generation.max_new_tokens=200", "env.num_agents=2", "trainer.num_turns=2",
-                     "trainer.num_generations=4", "trainer.discount=0.9", "trainer.joint_mode=align",
+                     "trainer.num_generations=4", "trainer.discount=1.0", "trainer.joint_mode=align",
                      "trainer.early_termination_threshold=-0.5", "trainer.lr=3e-05", "trainer.baseline=rloo",
                      "trainer.advantage_scale=none", "external=level_feedback", "logging.wandb.tags=[magrpo,humaneval]",
-                     "trainer.steps=64"]:  # 2 epochs x 128 problems / 4 trees per step
+                     "trainer.steps=64",  # 2 epochs x 128 problems / 4 trees per step
+                     "trainer.weight_decay=0.01", "trainer.max_grad_norm=0", "trainer.loss_agg=dr_grpo"]:
         assert override in ported.overrides, override
+    assert "undiscounted" in dict(ported.differences)["magrpo.discount"]  # 0.9 in the file, unused by CoMLRL
     # CoMLRL: r * 2 - 4; the code env: (levels + shift) * scale = (levels - 2) * 2
     assert {"env.reward.scale=2.0", "env.reward.shift=-2.0"} <= set(ported.overrides)
 
