@@ -16,6 +16,7 @@ HISTORY_ALIASES = {"true": "attempts", "false": "off"}
 HISTORY_MODES = ("off", "attempts", "messages", "continuation")
 ENCODING_CHECKS = ("strict", "ignore_strippable", "off")
 EARLY_TERMINATION_RETURNS = ("reward", "repeat")  # trainer.early_termination_return
+UPDATE_EVERY = ("batch", "turn")  # trainer.update_every
 
 
 @dataclass
@@ -158,6 +159,11 @@ class TrainerConfig:
     """Linear learning-rate warm-up steps, then constant."""
     max_grad_norm: float = 1.0
     """Clip each agent's gradient norm; 0 = no clipping."""
+    update_every: str = "batch"
+    """When each agent takes an optimizer step: batch (one step on all nodes of the step's trees) | turn (one step per
+    turn's nodes, the first turn first: T steps per batch, each normalised on its own, as CoMLRL 1.4.3 steps once per
+    turn of its rollout buffer; docs/results/parity.md). With turn, an agent's logged numbers are the mean over its
+    turn steps (trained_seqs and skipped_updates summed, grad_norm the largest, lr the first step's)."""
     micro_batch_size: int = 32
     """Sequences per forward/backward; gradients accumulate over micro-batches (the same update at any
     size). Sets the update's memory: on a CPU a SmolLM2-135M code-env run at 32 grew to ~13 GB, at 8 ~7 GB."""

@@ -303,13 +303,21 @@ class Run:
         start = time.perf_counter()
         self.backend.sleep()
         agent_stats = []
+        trainer = self.cfg.trainer
+        # update_every=turn: one step per turn, the first first; every rank walks every turn (the collectives)
+        turns = [None] if trainer.update_every == "batch" else list(range(trainer.num_turns))
         for agent, updater in zip(self.agents, self.updaters):
-            samples = _samples_of(rollout, agent.index, self.cfg.trainer.mask_truncated)
-            # Taken once, outside the retry: a rank that retries after an out-of-memory (in its forward
-            # or backward) then meets the others at the gradient all-reduce.
-            counts = updater.batch_counts(samples, self.update_settings[agent.index].per_token_coef, self.world)
-            step = partial(self._agent_step, updater, samples, counts)
-            agent_stats.append(oom_retry(step, self.micro_batch.halve, self.micro_batch.setting))
+            steps = []
+            for turn in turns:
+                samples = _samples_of(rollout, agent.index, trainer.mask_truncated, turn)
+                # Taken once, outside the retry: a rank that retries after an out-of-memory (in its forward
+                # or backward) then meets the others at the gradient all-reduce.
+                counts = updater.batch_counts(samples, self.update_settings[agent.index].per_token_coef, self.world)
+                if turn is not None and not counts[0]:  # no rank has a node at this turn (all stopped early)
+                    continue
+                step = partial(self._agent_step, updater, samples, counts)
+                steps.append(oom_retry(step, self.micro_batch.halve, self.micro_batch.setting))
+            agent_stats.append(steps[0] if len(steps) == 1 else mean_of_steps(steps))
         self.backend.sync_weights()  # adapters reach the generator (vllm: new version, checked by the guard)
         self.stopping("update done; writing a checkpoint")
         return agent_stats, time.perf_counter() - start
@@ -433,11 +441,28 @@ class Run:
             self.writer.log_adapters(self.dir / "adapters")
 
 
-def _samples_of(rollout: Rollout, agent: int, mask_truncated: bool = False) -> list[TrainSample]:
-    completions = [(node, k, c) for node in rollout.nodes for k, c in enumerate(node.completions[agent])]
+def _samples_of(rollout: Rollout, agent: int, mask_truncated: bool = False, turn: int | None = None
+                ) -> list[TrainSample]:
+    """The agent's trained completions (of one turn's nodes, or of all)."""
+    completions = [(node, k, c) for node in rollout.nodes if turn is None or node.turn == turn
+                   for k, c in enumerate(node.completions[agent])]
     kept = kept_completions([c.finished for _, _, c in completions], mask_truncated)
     return [TrainSample(c.prompt_ids, c.token_ids, float(node.advantages[agent, k]), c.logprobs, c.model_mask)
             for node, k, c in (completions[i] for i in kept)]
+
+
+SUMMED_STEP_KEYS = ("trained_seqs", "skipped_updates")  # counts: the turn steps' total
+
+
+def mean_of_steps(steps: list[dict[str, float]]) -> dict[str, float]:
+    """An agent's numbers over its optimizer steps of one batch (trainer.update_every=turn): counts summed,
+    grad_norm the largest, lr the first step's, the rest their mean over the steps that have them."""
+    out = {}
+    for key in dict.fromkeys(k for s in steps for k in s):
+        values = [s[key] for s in steps if key in s]
+        out[key] = (sum(values) if key in SUMMED_STEP_KEYS else max(values) if key == "grad_norm"
+                    else values[0] if key == "lr" else sum(values) / len(values))
+    return out
 
 
 def _whole_batch_metrics(

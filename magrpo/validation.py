@@ -13,6 +13,7 @@ from .config import (
     EARLY_TERMINATION_RETURNS,
     ENCODING_CHECKS,
     HISTORY_MODES,
+    UPDATE_EVERY,
     TrainConfig,
     above,
     at_least,
@@ -92,6 +93,7 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError("trainer.discount", f"must be in [0, 1], got {trainer.discount}")
     choice("trainer.joint_mode", trainer.joint_mode, JOINT_MODES.names())
     choice("trainer.early_termination_return", trainer.early_termination_return, EARLY_TERMINATION_RETURNS)
+    choice("trainer.update_every", trainer.update_every, list(UPDATE_EVERY))
     try:
         parse_expand(trainer.expand)
     except ValueError as e:
