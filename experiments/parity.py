@@ -132,6 +132,8 @@ def magrpo_record(run_dir: Path, s: Settings, mode: str, seed: int) -> dict:
     rewards of each turn (from rollouts.jsonl: every joint action of the step's one tree) and the texts
     of the root's first joint action."""
     metrics = {r["step"]: r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+    config = json.loads((run_dir / "config.json").read_text())
+    per_turn = config["trainer"]["update_every"] == "turn"  # one optimizer step per turn the tree reached
     steps = []
     for tree in map(json.loads, (run_dir / "rollouts.jsonl").read_text().splitlines()):
         turns = [[] for _ in range(s.tree.turns)]
@@ -141,8 +143,7 @@ def magrpo_record(run_dir: Path, s: Settings, mode: str, seed: int) -> dict:
         sample = [root["completions"][agent][k] for agent, k in enumerate(root["joint_actions"][0]["agents"])]
         steps.append({"step": tree["step"], "problem": tree["problem"]["id"], "seconds": m["perf/step_s"],
                       "turn_rewards": turns, "sample": sample, "gen_s": m["perf/gen_s"], "update_s": m["perf/update_s"],
-                      "optimizer_steps": [1] * s.tree.num_agents})
-    config = json.loads((run_dir / "config.json").read_text())
+                      "optimizer_steps": [sum(map(bool, turns)) if per_turn else 1] * s.tree.num_agents})
     return {"library": "magrpo", "task": s.task, "mode": mode, "seed": seed, "tree": asdict(s.tree),
             "config": {"trainer": config["trainer"], "agents": config["agents"]}, "steps": steps}
 
@@ -198,8 +199,38 @@ def summarise(records: list[dict], s: Settings) -> list[dict]:
 
 
 def steps_per_prompt(record: dict) -> float:
-    """Agent 0's optimizer steps per prompt (CoMLRL: its buffer updates; magrpo: 1)."""
+    """Agent 0's optimizer steps per prompt (CoMLRL: its buffer updates; magrpo: 1, or the turns its tree
+    reached with trainer.update_every=turn)."""
     return sum(step["optimizer_steps"][0] for step in record["steps"]) / len(record["steps"])
+
+
+def band_agreement(records: list[dict], s: Settings) -> list[dict]:
+    """Per mode and turn, what issue 47 asks: at each prompt, is magrpo's smoothed curve (the mean over its
+    seeds, as plotted) within CoMLRL's band (its seeds' lowest to highest)? Counts, and the largest gap
+    below and above the band."""
+    out = []
+    for mode in s.modes:
+        for turn in range(s.tree.turns):
+            bands = {lib: [smooth(curve(r, turn), s.window) for r in records
+                           if r["mode"] == mode and r["library"] == lib] for lib in LIBRARIES}
+            if not all(bands.values()):
+                continue
+            gaps = []
+            for at, ours in enumerate(zip(*bands["magrpo"])):
+                theirs = [c[at] for c in bands["comlrl"]]
+                mean = statistics.fmean(ours)
+                gaps.append(min(0.0, mean - min(theirs)) + max(0.0, mean - max(theirs)))
+            out.append({"mode": mode, "turn": turn, "prompts": len(gaps), "within": sum(g == 0 for g in gaps),
+                        "largest_below": min(gaps), "largest_above": max(gaps)})
+    return out
+
+
+def agreement_table(rows: list[dict]) -> str:
+    lines = ["| mode | turn | prompts where magrpo is within CoMLRL's band | largest gap below | largest gap above |",
+             "|---|---|---|---|---|"]
+    lines += [f"| {r['mode']} | {r['turn'] + 1} | {r['within']} of {r['prompts']} | {r['largest_below']:.3f} | "
+              f"{r['largest_above']:.3f} |" for r in rows]
+    return "\n".join(lines)
 
 
 def table(rows: list[dict], s: Settings) -> str:
@@ -337,10 +368,12 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"settings": asdict(s), "magrpo_settings": list(MAGRPO_SETTINGS), "comlrl_settings": COMLRL_SETTINGS,
               "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(started)),
               "wall_s": time.time() - started, "machine": before, "load_average_after": os.getloadavg(),
-              "summary": rows, "records": records}
+              "summary": rows, "agreement": band_agreement(records, s), "records": records}
     (a.out / "parity.json").write_text(json.dumps(result, indent=1))
     picture = plot(records, s, a.out / "parity.png")
     print(table(rows, s))
+    if result["agreement"]:
+        print(agreement_table(result["agreement"]))
     print(f"results: {a.out / 'parity.json'}" + (f"; plot: {picture}" if picture else " (no matplotlib: no plot)"))
     return result
 

@@ -98,3 +98,18 @@ def test_quick_comlrl_side_writes_records_of_the_same_shape(parity, tmp_path):
     # per turn it holds. 2 trees of 5 nodes (root r, 4 children c): (r,c) 2, (c,c) 1, (c,r) 2, (c,c) 1, (c,c) 1.
     after = record["after_last_prompt"]["optimizer_steps"][0]
     assert [step["optimizer_steps"][0] for step in record["steps"]] == [3, 4] and after == 0
+
+
+def test_band_agreement_counts_prompts_inside_comlrls_seed_band(parity):
+    """magrpo's mean over seeds against CoMLRL's lowest-to-highest seed, prompt by prompt (window 1)."""
+    def record(library, seed, rewards):
+        return {"library": library, "mode": "align", "seed": seed,
+                "steps": [{"turn_rewards": [[r]]} for r in rewards]}
+
+    records = [record("comlrl", 0, [0.2, 0.5, 0.9]), record("comlrl", 1, [0.4, 0.7, 0.8]),
+               record("magrpo", 0, [0.3, 0.1, 1.0]), record("magrpo", 1, [0.3, 0.3, 1.0])]
+    s = parity.Settings(seeds=(0, 1), prompts=3, tree=parity.Tree(k=2, turns=1, max_new_tokens=6), window=1,
+                        modes=("align",))
+    (row,) = parity.band_agreement(records, s)
+    assert row["within"] == 1 and row["prompts"] == 3  # 0.3 in [0.2, 0.4]; 0.2 below 0.5; 1.0 above 0.9
+    assert row["largest_below"] == pytest.approx(-0.3) and row["largest_above"] == pytest.approx(0.1)
