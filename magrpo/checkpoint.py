@@ -426,9 +426,10 @@ def claim_run_dir(run_dir: Path, step: int | None, complete_logs: Sequence[str] 
 
 
 def resume(chosen: Path | None, world: Any, agents: Sequence[Any], updaters: Sequence[Any], sampler: Any,
-           env: Any) -> dict[str, Any] | None:
+           load_env_state: Callable[[dict[str, Any]], None]) -> dict[str, Any] | None:
     """Continue from `chosen` (the checkpoint `choose` picked; None: a fresh start): adapters,
-    optimizers, the problem order, and this process's random and env state are restored; returns
+    optimizers, the problem order, and this process's random and env state (`load_env_state`: the env's
+    load_state, as the trainer calls user code) are restored; returns
     the trainer state (`step`, `env_step`; None when fresh). Rank 0 reads the checkpoint (other
     machines need no shared disk); its errors stop every rank."""
     found = on_main(world, lambda: read(chosen, agents, updaters)) if chosen else None
@@ -442,5 +443,5 @@ def resume(chosen: Path | None, world: Any, agents: Sequence[Any], updaters: Seq
               f"rollouts are the same (seeded per tree), other random draws (LoRA dropout) are not", file=sys.stderr)
     mine = ranks[min(world.rank, len(ranks) - 1)]  # with fewer processes now, the last one's
     set_rng_state(mine["rng"])
-    env.load_state(mine["env"])
+    load_env_state(mine["env"])
     return state

@@ -21,7 +21,7 @@ from .config import LimitsConfig, TrainConfig, check_finite
 from .console import Interrupted, StopSignals, progress_bar, startup_line, summary_line
 from .distributed import World, world_from_env
 from .env import Environment, call_env, check_problem_prompts, check_prompt_sizes, make_env
-from .errors import ConfigError, Stopped, TrainingError, log_traceback
+from .errors import BEFORE_RUN, ConfigError, Stopped, TrainingError, log_traceback
 from .evaluation import evaluate
 from .feedback import Feedback, FeedbackTarget, mode_for
 from .generation import SamplingParams
@@ -73,7 +73,7 @@ def prepare(
     API's env instance) instead of one made from cfg.env; `feedback`: a function or FeedbackMode
     class instead of cfg.external.mode."""
     validate(cfg)
-    env = env if env is not None else make_env(cfg.env)
+    env = env if env is not None else make_env(cfg.env, cfg.limits.user_code_timeout_s)
     check_finite(env.cfg, "env")
     # Every key the env runs with, its Config's defaults included: config.json, --cfg and resume see them all.
     cfg.env = {"name": cfg.env["name"], **asdict(env.cfg)}
@@ -102,10 +102,11 @@ def evaluates(cfg: TrainConfig) -> bool:
 def _check_split(env: Environment, split: str, limits: LimitsConfig) -> None:
     """Load a split now (the env caches it): bad data is a start-up error, and an empty split would
     leave nothing to sample, a huge record or turn-0 prompt take the machine's memory once encoded."""
-    problems = call_env(env, "problems", split, where=f"loading the {split} split")
+    problems = call_env(env, "problems", split, where=f"loading the {split} split",
+                        timeout_s=limits.user_code_timeout_s, tail=BEFORE_RUN)
     check_problem_sizes(problems, split, limits.max_problem_chars)
     check_problem_prompts(env, problems, split)
-    check_prompt_sizes(env, problems, split, limits.max_prompt_chars)
+    check_prompt_sizes(env, problems, split, limits.max_prompt_chars, limits.user_code_timeout_s)
     if not problems:
         key = env.split_keys.get(split, "env")
         value = getattr(env.cfg, key.partition(".")[2], None)
@@ -220,8 +221,10 @@ class Run:
         self.updaters = [AgentUpdater(a, trainer.lr, trainer.weight_decay, trainer.warmup_steps) for a in self.agents]
         self.dir = run_dir
         # The same problem order on every rank; each takes its shard of every batch.
-        self.sampler = ProblemSampler(env.problems("train"), trainer.seed)
-        state = checkpoint.resume(chosen, world, self.agents, self.updaters, self.sampler, env)
+        self.timeout_s = cfg.limits.user_code_timeout_s  # every call of user code (the env's methods here)
+        self.sampler = ProblemSampler(self.call_env("problems", "train", where="at start-up"), trainer.seed)
+        state = checkpoint.resume(chosen, world, self.agents, self.updaters, self.sampler,
+                                  partial(self.call_env, "load_state", where="resuming"))
         if state:  # the engine (vllm) still serves the adapters it started with, not the checkpoint's
             self.backend.sync_weights()
         self.first_step, self.env_step = (state["step"] + 1, state["env_step"]) if state else (1, 0)
@@ -237,7 +240,8 @@ class Run:
             for line in env.warnings:
                 print(f"WARNING: {line}", file=sys.stderr)
         self.writer = RunWriter(self.dir, recorded, cfg.logging.wandb) if world.is_main else NullWriter()
-        self.eval_problems = env.problems("eval")[: cfg.eval.max_problems or None] if evaluates(cfg) else []
+        self.eval_problems = (self.call_env("problems", "eval", where="at start-up")[: cfg.eval.max_problems or None]
+                              if evaluates(cfg) else [])
         self.tree = TreeSettings.of(cfg)
         self.advantage_settings = AdvantageSettings.of(cfg)
         self.update_settings = UpdateSettings.of(cfg)
@@ -254,6 +258,10 @@ class Run:
         self.bar = progress_bar(trainer.steps, cfg.logging.progress and world.is_main, initial=self.first_step - 1)
         self.stop = stop
         stop.ready()  # start-up is over: a signal now finishes the step and writes a checkpoint
+
+    def call_env(self, method: str, *args, where: str):
+        """An env method during the run: one line when it raises or runs past limits.user_code_timeout_s."""
+        return call_env(self.env, method, *args, where=where, timeout_s=self.timeout_s)
 
     def __enter__(self) -> "Run":
         return self
@@ -327,7 +335,8 @@ class Run:
                               "tokens": Counter(collected["tokens"]),
                               "mem": Maximum(peak_memory_gb(backend_device(self.agents)))})
         # The rollout's own numbers, read before evaluation: what evaluation counts goes in its eval/* keys
-        own = self.own_metrics(self.env.metrics(), collected["backend_metrics"], self.feedback.metrics())
+        own = self.own_metrics(self.call_env("metrics", where=f"after step {step}"), collected["backend_metrics"],
+                               self.feedback.metrics())
         e = self.cfg.eval
         evaluating = (e.every and step % e.every == 0) or (e.at_end and step == self.cfg.trainer.steps)
         eval_metrics = self.evaluate(step) if evaluating else {}
@@ -409,7 +418,8 @@ class Run:
         return bool(every and step % every == 0) or step == self.cfg.trainer.steps
 
     def save_checkpoint(self, step: int) -> None:
-        ranks = self.world.gather({"rng": checkpoint.rng_state(), "env": self.env.state()})
+        env_state = self.call_env("state", where=f"writing checkpoint {step}")
+        ranks = self.world.gather({"rng": checkpoint.rng_state(), "env": env_state})
         state = {"step": step, "env_step": self.env_step, "sampler": self.sampler.state(), "ranks": ranks}
         # Rank 0 writes; its failure (a full disk) stops every rank rather than leaving them waiting for it.
         checkpoint.on_main(self.world, lambda: str(checkpoint.save(

@@ -256,7 +256,8 @@ class AgentUpdater:
         lengths = torch.tensor([s.model_tokens for s in samples], dtype=torch.long)  # inserted tokens weigh nothing
         keep = trained_rows(samples, s.per_token_coef)
         num_sequences, num_tokens, num_kept = counts or self.batch_counts(samples, s.per_token_coef, world)
-        weights = sequence_weights(s.loss_agg, lengths, s.max_new_tokens, int(num_sequences), int(num_tokens))
+        weights = sequence_weights(s.loss_agg, lengths, s.max_new_tokens, int(num_sequences), int(num_tokens),
+                                   s.loss.user_code_timeout_s)
         batches = micro_batches(samples, keep, micro_batch_size)
         model.set_adapter(agent.adapter)  # also makes only this adapter trainable
         lora_train_mode(model)

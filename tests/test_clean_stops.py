@@ -73,11 +73,11 @@ def test_user_code_timeout_is_checked(run_cli):
     assert (code, lines) == (2, ["config error: limits.user_code_timeout_s: must be >= 0, got -1.0 (0 = no limit)"])
 
 
-def start(tmp_path: Path, *overrides: str, stall: str | None = None) -> subprocess.Popen:
+def start(tmp_path: Path, *overrides: str, stall: str | None = None, hook: str | None = None) -> subprocess.Popen:
+    """train.py in a child process; `stall`, `hook`: tests/stop_probe.py's MAGRPO_TEST_STALL, MAGRPO_TEST_HOOK."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", MAGRPO_TEST_GATE=str(tmp_path))
     env.pop("MAGRPO_DEBUG", None)
-    if stall:
-        env["MAGRPO_TEST_STALL"] = stall
+    env.update({name: value for name, value in (("MAGRPO_TEST_STALL", stall), ("MAGRPO_TEST_HOOK", hook)) if value})
     return subprocess.Popen([sys.executable, "train.py", *SMALL, f"logging.run_dir={tmp_path / 'run'}", *overrides],
                             cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
 
@@ -88,7 +88,20 @@ def test_a_second_signal_stops_a_hung_feedback_function_at_once(tmp_path, first,
     """Ctrl-C, then Ctrl-C again: still running 90 s later (the pool's workers, stuck in the function,
     were joined); one SIGTERM never ended it. Now the second signal ends the process within seconds,
     with one line and 128 + its number."""
-    proc = start(tmp_path, "external.mode=tests.stop_probe:hang", "external.max_concurrency=4")
+    stopped_twice(tmp_path, start(tmp_path, "external.mode=tests.stop_probe:hang", "external.max_concurrency=4"),
+                  first, second)
+
+
+@pytest.mark.slow
+def test_a_second_signal_stops_a_hung_plugin_hook_at_once(tmp_path):
+    """A plugin's hook runs in a worker thread under its time limit while the main thread waits for it:
+    the second signal still ends the process at once."""
+    proc = start(tmp_path, "plugins=[tests.stop_probe]", "trainer.baseline=stuck", hook="baseline")
+    stopped_twice(tmp_path, proc, signal.SIGTERM, signal.SIGINT)
+
+
+def stopped_twice(tmp_path: Path, proc: subprocess.Popen, first: signal.Signals, second: signal.Signals) -> None:
+    """Once the run is inside the hung call: `first`, then `second` ends it within 5 s, with one line."""
     try:
         wait_for(tmp_path / "entered", proc)
         proc.send_signal(first)
@@ -146,3 +159,4 @@ def test_a_stop_says_how_far_the_step_it_waits_for_got(tmp_path, capsys, monkeyp
                      "magrpo: SIGTERM: step 1: turn 1/2 done; then the update and a checkpoint",
                      "magrpo: SIGTERM: step 1: turn 2/2 done; then the update and a checkpoint",
                      "magrpo: SIGTERM: step 1: update done; writing a checkpoint"], err
+
