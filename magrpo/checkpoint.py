@@ -75,9 +75,10 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save(run_dir: Path, step: int, agents: Sequence[Any], updaters: Sequence[Any], trainer_state: dict[str, Any],
-         config: dict[str, Any], keep: int) -> Path:
+         config: dict[str, Any], keep: int, progress: Callable[[str], None] = lambda done: None) -> Path:
     """Write checkpoint `step` atomically, then prune to `keep`. A failed write (a full disk) is one
-    TrainingError line; its temp folder is removed and the previous checkpoint stays as it was."""
+    TrainingError line; its temp folder is removed and the previous checkpoint stays as it was.
+    `progress(done)` after each part (an agent's adapter and optimizer, the checksums, the whole)."""
     final = folder_of(run_dir, step)
     tmp = final.parent / f"{TMP_PREFIX}{final.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -86,10 +87,11 @@ def save(run_dir: Path, step: int, agents: Sequence[Any], updaters: Sequence[Any
     make_room(previous, step, keep, run_dir, after)
     with writing(final, after, partial=tmp):
         tmp.mkdir(parents=True)
-        _write(tmp, step, agents, updaters, trainer_state, config)
+        _write(tmp, step, agents, updaters, trainer_state, config, progress)
     shutil.rmtree(final, ignore_errors=True)  # a checkpoint of the same step from an earlier attempt
     os.replace(tmp, final)
     _prune(final.parent, keep)
+    progress(f"done, {final}")
     return final
 
 
@@ -121,17 +123,19 @@ def _size(folder: Path) -> int:
 
 
 def _write(tmp: Path, step: int, agents: Sequence[Any], updaters: Sequence[Any], trainer_state: dict[str, Any],
-           config: dict[str, Any]) -> None:
-    for agent, updater in zip(agents, updaters):
+           config: dict[str, Any], progress: Callable[[str], None]) -> None:
+    for i, (agent, updater) in enumerate(zip(agents, updaters)):
         folder = agent.save(tmp)
         torch.save({
             "params": [p.detach().cpu().clone() for p in updater.params],
             "optimizer": updater.optimizer.state_dict(),
             "scheduler": updater.scheduler.state_dict(),
         }, folder / "train.pt")
+        progress(f"agent {i + 1}/{len(agents)} written")
     torch.save(trainer_state, tmp / "trainer.pt")
     (tmp / "config.json").write_text(json.dumps(config, indent=2, default=str))
     (tmp / "COMPLETE").write_text(json.dumps({"step": step, "sha256": checksums(tmp)}, indent=1))
+    progress("checksums written")
 
 
 def checksums(folder: Path) -> dict[str, str]:

@@ -18,7 +18,7 @@ from . import checkpoint, run_lock
 from .advantage import AdvantageSettings, assign_advantages
 from .backends import make_backend
 from .config import LimitsConfig, TrainConfig, check_finite
-from .console import Interrupted, StopSignals, progress_bar, startup_line, summary_line
+from .console import Interrupted, StopSignals, phase_lines, progress_bar, startup_line, summary_line
 from .distributed import World, world_from_env
 from .env import Environment, call_env, check_problem_prompts, check_prompt_sizes, make_env
 from .errors import BEFORE_RUN, ConfigError, Stopped, TrainingError, log_traceback
@@ -119,6 +119,7 @@ def _check_split(env: Environment, split: str, limits: LimitsConfig) -> None:
         raise ConfigError(key, f"{what}; give a split with at least one{hint}")
 
 
+SLOW_WRITE_S = 5.0  # a checkpoint write that has taken this long says how far it got
 # Domains of the sampling streams: training rollouts and evaluation paths never share a stream.
 TRAIN_STREAM, EVAL_STREAM = 0, 1
 
@@ -376,14 +377,8 @@ class Run:
 
     def eval_progress(self, step: int):
         """A line per turn of the greedy and the sampled paths (rank 0's share): an evaluation can take minutes."""
-        start, turns = time.perf_counter(), self.cfg.trainer.num_turns
-
-        def line(paths: str, turn: int) -> None:
-            if self.world.is_main:
-                self.bar.write(f"magrpo: eval (step {step}): {paths} paths, turn {turn + 1}/{turns} done "
-                               f"({time.perf_counter() - start:.0f} s)", file=sys.stderr)
-
-        return line
+        say, turns = phase_lines(self.bar, self.world.is_main, f"eval (step {step})"), self.cfg.trainer.num_turns
+        return lambda paths, turn: say(f"{paths} paths, turn {turn + 1}/{turns} done")
 
     def own_metrics(self, *parts: dict[str, float]) -> dict[str, float]:
         """The env's, feedback's and backend's own numbers, merged over ranks by kind (rank 0)."""
@@ -422,8 +417,10 @@ class Run:
         ranks = self.world.gather({"rng": checkpoint.rng_state(), "env": env_state})
         state = {"step": step, "env_step": self.env_step, "sampler": self.sampler.state(), "ranks": ranks}
         # Rank 0 writes; its failure (a full disk) stops every rank rather than leaving them waiting for it.
+        # A write that takes long (big adapters, a slow disk) says each part written once it passed SLOW_WRITE_S.
+        say = phase_lines(self.bar, self.world.is_main, f"writing checkpoint step {step}", SLOW_WRITE_S)
         checkpoint.on_main(self.world, lambda: str(checkpoint.save(
-            self.dir, step, self.agents, self.updaters, state, asdict(self.cfg), self.cfg.checkpoint.keep)))
+            self.dir, step, self.agents, self.updaters, state, asdict(self.cfg), self.cfg.checkpoint.keep, say)))
 
     def stopped(self, step: int) -> Stopped:
         """The error that ends a stopped run, on every rank with the same signal (the one any rank got)."""

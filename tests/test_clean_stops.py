@@ -3,6 +3,7 @@ a second signal, and a signal during start-up says so in one line and leaves not
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -160,3 +161,36 @@ def test_a_stop_says_how_far_the_step_it_waits_for_got(tmp_path, capsys, monkeyp
                      "magrpo: SIGTERM: step 1: turn 2/2 done; then the update and a checkpoint",
                      "magrpo: SIGTERM: step 1: update done; writing a checkpoint"], err
 
+
+def test_a_slow_checkpoint_write_says_how_far_it_got(tmp_path, capsys, monkeypatch):
+    """A checkpoint write (big adapters and optimizer states, a slow disk) took minutes in silence."""
+    import magrpo.trainer
+
+    monkeypatch.setattr(magrpo.trainer, "SLOW_WRITE_S", 0)  # every write counts as slow: nothing here is timed
+    run = tmp_path / "run"
+    code = main([*SMALL, "logging.progress=true", f"logging.run_dir={run}", "trainer.steps=1", "eval.at_end=false"])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    lines = [re.sub(r" \(\d+ s\)$", "", line.strip()) for line in err.replace("\r", "\n").splitlines()
+             if line.startswith("magrpo: writing checkpoint")]
+    assert lines == ["magrpo: writing checkpoint step 1: agent 1/2 written",
+                     "magrpo: writing checkpoint step 1: agent 2/2 written",
+                     "magrpo: writing checkpoint step 1: checksums written",
+                     f"magrpo: writing checkpoint step 1: done, {run / 'checkpoints' / 'step_000001'}"], err
+
+
+def test_a_quick_phase_says_nothing():
+    """Only a write that has taken SLOW_WRITE_S says how far it got: a quick one keeps the console as it was."""
+    from magrpo.console import phase_lines
+
+    said = []
+
+    class Bar:
+        def write(self, s, file=None):
+            said.append(s)
+
+    phase_lines(Bar(), True, "writing checkpoint step 1", quiet_s=3600)("agent 1/2 written")
+    phase_lines(Bar(), False, "writing checkpoint step 1")("agent 1/2 written")  # not rank 0
+    assert said == []
+    phase_lines(Bar(), True, "writing checkpoint step 1")("agent 1/2 written")
+    assert said == ["magrpo: writing checkpoint step 1: agent 1/2 written (0 s)"]
