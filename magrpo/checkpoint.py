@@ -17,7 +17,6 @@ the others get their part (or rank 0's error) from it.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
@@ -33,6 +32,7 @@ import torch
 
 from .config import TrainConfig, flatten, under
 from .errors import ConfigError, TrainingError, describe
+from .paths import checksums, sha256_of
 from .run_io import LOGS, RESUME_HINT, aside_path, repair_log, set_aside_logs, step_ranges, writing
 
 PREFIX = "step_"
@@ -134,22 +134,8 @@ def _write(tmp: Path, step: int, agents: Sequence[Any], updaters: Sequence[Any],
         progress(f"agent {i + 1}/{len(agents)} written")
     torch.save(trainer_state, tmp / "trainer.pt")
     (tmp / "config.json").write_text(json.dumps(config, indent=2, default=str))
-    (tmp / "COMPLETE").write_text(json.dumps({"step": step, "sha256": checksums(tmp)}, indent=1))
+    (tmp / "COMPLETE").write_text(json.dumps({"step": step, "sha256": checksums(tmp, "COMPLETE")}, indent=1))
     progress("checksums written")
-
-
-def checksums(folder: Path) -> dict[str, str]:
-    """sha256 of every file under folder but COMPLETE, by path relative to folder."""
-    return {p.relative_to(folder).as_posix(): _sha256(p)
-            for p in sorted(folder.rglob("*")) if p.is_file() and p.name != "COMPLETE"}
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _prune(folder: Path, keep: int) -> None:
@@ -195,7 +181,7 @@ def verify(path: Path) -> dict[str, Any]:
     for name, expected in manifest["sha256"].items():
         if not (path / name).is_file():
             raise Unreadable(f"{name} is missing")
-        if _sha256(path / name) != expected:
+        if sha256_of(path / name) != expected:
             raise Unreadable(f"{name} does not match its sha256 in COMPLETE")
     return manifest
 
