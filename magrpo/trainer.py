@@ -29,7 +29,7 @@ from .guards import BadSteps, Halvable, oom_retry
 from .loss import kept_completions
 from .metrics import Counter, Maximum, reduce_over_ranks
 from .rollout import Rollout, TreeSettings, expand_trees, merge_rollouts, portable
-from .run_io import LOGS, RESUME_HINT, NullWriter, RunWriter, make_run_dir, tree_records, writing
+from .run_io import LOGS, RESUME_HINT, NullWriter, RunWriter, make_run_dir, put_back, top_level, tree_records, writing
 from .sampling import stream_key
 from .toolbox import Toolbox
 from .tree import count_leaves
@@ -145,14 +145,17 @@ def owned_run_dir(cfg: TrainConfig, world: World):
     """The run dir (made when new), locked by rank 0 for the whole run: a second writer stops here, before
     any model loads, with one line naming the holder. Every rank gets its path. A dir made here and
     still empty at the end (the run stopped before writing anything) is removed, and so is one that a
-    signal during start-up stopped (it holds only the config and empty logs of a run that never began)."""
+    signal during start-up stopped (it holds only the config and empty logs of a run that never began);
+    one it did not make, and that holds no checkpoint, is put back as it was (run_io.put_back)."""
     held: list[run_lock.RunLock] = []
     made: list[Path] = []
+    found: dict[str, int] = {}  # rank 0: the top of a run dir that was there, as it was once locked
 
     def take() -> str:
         path, new = make_run_dir(cfg.logging.run_dir, cfg.env["name"])
         made.extend([path] if new else [])
         held.append(run_lock.acquire(path))
+        found.update({} if new else top_level(path))
         return str(path)
 
     path = None
@@ -164,6 +167,9 @@ def owned_run_dir(cfg: TrainConfig, world: World):
             shutil.rmtree(made[0], ignore_errors=True)
             made.clear()
             raise Interrupted(e.signum, f"{e}: nothing trained, the run dir it made is removed") from None
+        if found and not checkpoint.holds_checkpoints(path):
+            put_back(path, found)
+            raise Interrupted(e.signum, f"{e}: nothing trained, what it wrote in the run dir is removed") from None
         where = f"; resume=auto logging.run_dir={path} continues from its last checkpoint, if any" if path else ""
         raise Interrupted(e.signum, f"{e}{where}") from None
     finally:

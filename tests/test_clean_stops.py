@@ -125,7 +125,16 @@ def stopped_twice(tmp_path: Path, proc: subprocess.Popen, first: signal.Signals,
 def test_sigterm_during_start_up_is_one_line_and_leaves_nothing(tmp_path, stage):
     """A SIGTERM while weights loaded killed the run silently and left run.lock (and after the logs
     were made, config.json and empty logs) in the run dir: the handler came after the model."""
-    proc = start(tmp_path, "plugins=[tests.stop_probe]", stall=stage)
+    err = sigterm_at(tmp_path, stage)
+    assert err.strip().splitlines()[-1] == ("stopped: SIGTERM during start-up, before the first step: nothing "
+                                            "trained, the run dir it made is removed"), err
+    assert not (tmp_path / "run").exists()
+
+
+def sigterm_at(tmp_path: Path, stage: str, *overrides: str) -> str:
+    """A run stalled at `stage` of start-up (tests/stop_probe.py), sent SIGTERM there: its stderr, once it
+    ended by that signal's code."""
+    proc = start(tmp_path, "plugins=[tests.stop_probe]", *overrides, stall=stage)
     try:
         wait_for(tmp_path / stage, proc)
         proc.send_signal(signal.SIGTERM)
@@ -133,9 +142,40 @@ def test_sigterm_during_start_up_is_one_line_and_leaves_nothing(tmp_path, stage)
     finally:
         proc.kill()
     assert proc.returncode == 128 + signal.SIGTERM, err
+    return err
+
+
+@pytest.mark.slow
+def test_sigterm_during_start_up_leaves_a_run_dir_it_did_not_make_as_it_was(tmp_path):
+    """A run dir that existed with no checkpoint (the logs of a run stopped before its first step): a stop
+    during start-up left this start's config.json and empty logs, and the earlier log renamed to
+    metrics.jsonl.before-<time>; every such stop added another set."""
+    run = tmp_path / "run"
+    run.mkdir()
+    earlier = '{"step": 0, "eval/turn_1/greedy_reward_mean": 0.5}\n'
+    (run / "metrics.jsonl").write_text(earlier)
+    err = sigterm_at(tmp_path, "startup_line", "resume=auto")  # after start-up wrote config.json and the logs
+    assert "the earlier metrics.jsonl renamed to metrics.jsonl.before-" in err, err
     assert err.strip().splitlines()[-1] == ("stopped: SIGTERM during start-up, before the first step: nothing "
-                                            "trained, the run dir it made is removed"), err
-    assert not (tmp_path / "run").exists()
+                                            "trained, what it wrote in the run dir is removed"), err
+    assert [p.name for p in run.iterdir()] == ["metrics.jsonl"]
+    assert (run / "metrics.jsonl").read_text() == earlier
+
+
+def test_put_back_renames_what_a_start_set_aside_and_removes_only_the_run_s_files(tmp_path):
+    from magrpo.run_io import put_back, top_level
+
+    (tmp_path / "metrics.jsonl").write_text("earlier\n")
+    (tmp_path / "notes.txt").write_text("the user's")
+    before = top_level(tmp_path)
+    os.replace(tmp_path / "metrics.jsonl", tmp_path / "metrics.jsonl.before-20261128-120000")  # set_aside_logs
+    for name in ("metrics.jsonl", "rollouts.jsonl", "config.json"):
+        (tmp_path / name).write_text("")
+    (tmp_path / "wandb").mkdir()
+    (tmp_path / "other.txt").write_text("not the run's")  # written by someone else meanwhile: left
+    put_back(tmp_path, before)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl", "notes.txt", "other.txt"]
+    assert (tmp_path / "metrics.jsonl").read_text() == "earlier\n"
 
 
 def test_an_evaluation_says_how_far_it_got(tmp_path, capsys):
