@@ -48,6 +48,7 @@ class AdvantageSettings:
     team_weight: float
     early_termination_return: str = "reward"  # reward | repeat (trainer.early_termination_return)
     num_turns: int = 1  # T, for the turns an early-stopped branch skipped
+    user_code_timeout_s: float = 0  # a plugin's estimator, credit rule, baseline, ... (limits.*; 0: no limit)
 
     @classmethod
     def of(cls, cfg: Any) -> "AdvantageSettings":
@@ -55,7 +56,8 @@ class AdvantageSettings:
         return cls(estimator=trainer.advantage_estimator, discount=trainer.discount,
                    cross_credit=trainer.cross_credit, baseline=trainer.baseline, scale=trainer.advantage_scale,
                    group_by=trainer.group_by, team_weight=cfg.reward.team_weight,
-                   early_termination_return=trainer.early_termination_return, num_turns=trainer.num_turns)
+                   early_termination_return=trainer.early_termination_return, num_turns=trainer.num_turns,
+                   user_code_timeout_s=cfg.limits.user_code_timeout_s)
 
 
 # name -> estimator(nodes, settings): fills node.returns / agent_returns / advantages / zero_std and
@@ -65,7 +67,7 @@ ESTIMATORS: Registry[Callable[["list[Node]", AdvantageSettings], np.ndarray]] = 
 
 def assign_advantages(nodes: "list[Node]", settings: AdvantageSettings) -> np.ndarray:
     """The configured estimator over one step's nodes; returns the (nodes, N) zero-variance mask."""
-    return ESTIMATORS.get(settings.estimator)(nodes, settings)
+    return ESTIMATORS.hook(settings.estimator, settings.user_code_timeout_s)(nodes, settings)
 
 
 def tree_returns(
@@ -111,11 +113,12 @@ def _credit_counts(joint: np.ndarray, k: int) -> np.ndarray:
     return counts.astype(np.float64)
 
 
-def agent_credit(joint: np.ndarray, returns: np.ndarray, k: int, how: str) -> np.ndarray:
+def agent_credit(joint: np.ndarray, returns: np.ndarray, k: int, how: str, timeout_s: float = 0) -> np.ndarray:
     """(N, K) value per completion from the (J,) team returns, or from (J, N) per-agent returns (each
     agent credited with its own column). Align joint actions contain each completion once, so mean
-    and sum agree there."""
-    credit = CREDITS.get(how)
+    and sum agree there. A plugin's rule runs under limits.user_code_timeout_s (`timeout_s`), as every
+    registered hook below does."""
+    credit = CREDITS.hook(how, timeout_s)
     if returns.ndim == 1:
         return credit(joint, returns, k)
     return np.stack([credit(joint, returns[:, i], k)[i] for i in range(joint.shape[1])])
@@ -167,11 +170,12 @@ def std_scale(values: np.ndarray) -> np.ndarray:
     return values.std(axis=-1, keepdims=True) + STD_EPS
 
 
-def group_advantages(values: np.ndarray, baseline: str, scale: str) -> tuple[np.ndarray, np.ndarray]:
+def group_advantages(values: np.ndarray, baseline: str, scale: str,
+                     timeout_s: float = 0) -> tuple[np.ndarray, np.ndarray]:
     """values (..., K) -> advantages (..., K) and a (...,) mask of zero-variance groups.
     Zero-variance groups get advantage 0 whatever the baseline (none included): no signal, no gradient."""
     values = np.asarray(values, dtype=np.float64)
-    adv = (values - BASELINES.get(baseline)(values)) / SCALES.get(scale)(values)
+    adv = (values - BASELINES.hook(baseline, timeout_s)(values)) / SCALES.hook(scale, timeout_s)(values)
     zero_std = zero_variance(values)
     adv = np.where(zero_std[..., None], 0.0, adv)
     return adv, zero_std
@@ -182,11 +186,11 @@ def zero_variance(values: np.ndarray) -> np.ndarray:
     return np.asarray(values, dtype=np.float64).std(axis=-1) < ZERO_STD
 
 
-def all_groups_flat(joint: np.ndarray, rewards: np.ndarray, k: int, credit: str) -> bool:
+def all_groups_flat(joint: np.ndarray, rewards: np.ndarray, k: int, credit: str, timeout_s: float = 0) -> bool:
     """True when every agent's group at a node has zero variance in the node's own rewards (credited
     as at a leaf). Dynamic sampling (DAPO, arXiv:2503.14476, over-samples prompts whose group is all
     right or all wrong) regenerates such a node: at the last turn it could give no gradient at all."""
-    return bool(zero_variance(agent_credit(joint, rewards, k, credit)).all())
+    return bool(zero_variance(agent_credit(joint, rewards, k, credit, timeout_s)).all())
 
 
 @GROUP_BY.register("node")
@@ -203,11 +207,11 @@ def agent_turn_group(node: int, tree: int, turn: int) -> Hashable:
 
 
 def pooled_advantages(
-    values: Sequence[np.ndarray], baseline: str, scale: str
+    values: Sequence[np.ndarray], baseline: str, scale: str, timeout_s: float = 0
 ) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """values: (N, K_m) per node of one pool -> advantages (N, K_m) per node and each node's (N,)
     zero-variance mask, with one group per agent over all the pool's completions."""
-    adv, zero = group_advantages(np.concatenate(values, axis=-1), baseline, scale)
+    adv, zero = group_advantages(np.concatenate(values, axis=-1), baseline, scale, timeout_s)
     cuts = np.cumsum([v.shape[-1] for v in values])[:-1]
     return np.split(adv, cuts, axis=-1), [zero] * len(values)
 
@@ -216,7 +220,7 @@ def pooled_advantages(
 def tree_grpo(nodes: "list[Node]", settings: AdvantageSettings) -> np.ndarray:
     """MAGRPO-MT: returns up the tree (per agent too, with per-agent rewards and team_weight < 1), each
     completion credited from the joint actions containing it, grouped baselines per agent."""
-    children = [node.children for node in nodes]
+    children, timeout_s = [node.children for node in nodes], settings.user_code_timeout_s
     repeats = [early_repeats(node, settings) for node in nodes]
     returns = tree_returns([node.rewards * r for node, r in zip(nodes, repeats)], children, settings.discount)
     own = agent_rewards_of(nodes, settings.team_weight)
@@ -229,13 +233,15 @@ def tree_grpo(nodes: "list[Node]", settings: AdvantageSettings) -> np.ndarray:
     for node, g, mine in zip(nodes, returns, per_agent):
         node.returns, node.agent_returns = g, mine
         values.append(  # (N, K)
-            agent_credit(node.joint, g if mine is None else mine, len(node.completions[0]), settings.cross_credit))
+            agent_credit(node.joint, g if mine is None else mine, len(node.completions[0]), settings.cross_credit,
+                         timeout_s))
     pools: dict = {}
-    group_key = GROUP_BY.get(settings.group_by)
+    group_key = GROUP_BY.hook(settings.group_by, timeout_s)
     for m, node in enumerate(nodes):
         pools.setdefault(group_key(m, node.tree, node.turn), []).append(m)
     for members in pools.values():
-        advantages, zero_std = pooled_advantages([values[m] for m in members], settings.baseline, settings.scale)
+        advantages, zero_std = pooled_advantages([values[m] for m in members], settings.baseline, settings.scale,
+                                                 timeout_s)
         for m, adv, zero in zip(members, advantages, zero_std):
             nodes[m].advantages, nodes[m].zero_std = adv, zero
     return np.array([node.zero_std for node in nodes])

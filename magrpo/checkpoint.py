@@ -19,7 +19,6 @@ the others get their part (or rank 0's error) from it.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
@@ -35,6 +34,7 @@ import torch
 
 from .config import TrainConfig, flatten, under
 from .errors import ConfigError, TrainingError, describe
+from .paths import checksums, sha256_of
 from .run_io import LOGS, RESUME_HINT, aside_path, repair_log, set_aside_logs, step_ranges, writing
 
 PREFIX = "step_"
@@ -77,9 +77,10 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save(run_dir: Path, step: int, agents: Sequence[Any], updaters: Sequence[Any], trainer_state: dict[str, Any],
-         config: dict[str, Any], keep: int) -> Path:
+         config: dict[str, Any], keep: int, progress: Callable[[str], None] = lambda done: None) -> Path:
     """Write checkpoint `step` atomically, then prune to `keep`. A failed write (a full disk) is one
-    TrainingError line; its temp folder is removed and the previous checkpoint stays as it was."""
+    TrainingError line; its temp folder is removed and the previous checkpoint stays as it was.
+    `progress(done)` after each part (an agent's adapter and optimizer, the checksums, the whole)."""
     final = folder_of(run_dir, step)
     tmp = final.parent / f"{TMP_PREFIX}{final.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -88,10 +89,11 @@ def save(run_dir: Path, step: int, agents: Sequence[Any], updaters: Sequence[Any
     make_room(previous, step, keep, run_dir, after)
     with writing(final, after, partial=tmp):
         tmp.mkdir(parents=True)
-        _write(tmp, step, agents, updaters, trainer_state, config)
+        _write(tmp, step, agents, updaters, trainer_state, config, progress)
     shutil.rmtree(final, ignore_errors=True)  # a checkpoint of the same step from an earlier attempt
     os.replace(tmp, final)
     _prune(final.parent, keep)
+    progress(f"done, {final}")
     return final
 
 
@@ -123,8 +125,8 @@ def _size(folder: Path) -> int:
 
 
 def _write(tmp: Path, step: int, agents: Sequence[Any], updaters: Sequence[Any], trainer_state: dict[str, Any],
-           config: dict[str, Any]) -> None:
-    for agent, updater in zip(agents, updaters):
+           config: dict[str, Any], progress: Callable[[str], None]) -> None:
+    for i, (agent, updater) in enumerate(zip(agents, updaters)):
         folder = agent.save(tmp)
         in_folder = getattr(agent, "full", False) and _saved_names(folder) >= set(_param_names(agent))
         torch.save({  # a full agent's weights once, not twice: its model folder has them exactly
@@ -132,9 +134,11 @@ def _write(tmp: Path, step: int, agents: Sequence[Any], updaters: Sequence[Any],
             "optimizer": updater.optimizer.state_dict(),
             "scheduler": updater.scheduler.state_dict(),
         }, folder / "train.pt")
+        progress(f"agent {i + 1}/{len(agents)} written")
     torch.save(trainer_state, tmp / "trainer.pt")
     (tmp / "config.json").write_text(json.dumps(config, indent=2, default=str))
-    (tmp / "COMPLETE").write_text(json.dumps({"step": step, "sha256": checksums(tmp)}, indent=1))
+    (tmp / "COMPLETE").write_text(json.dumps({"step": step, "sha256": checksums(tmp, "COMPLETE")}, indent=1))
+    progress("checksums written")
 
 
 def _param_names(agent: Any) -> list[str]:
@@ -163,20 +167,6 @@ def _saved_weights(folder: Path, names: Sequence[str]) -> list[torch.Tensor]:
     if missing:
         raise KeyError(f"{folder} lacks weight {missing[0]!r}")
     return [found[n] for n in names]
-
-
-def checksums(folder: Path) -> dict[str, str]:
-    """sha256 of every file under folder but COMPLETE, by path relative to folder."""
-    return {p.relative_to(folder).as_posix(): _sha256(p)
-            for p in sorted(folder.rglob("*")) if p.is_file() and p.name != "COMPLETE"}
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _prune(folder: Path, keep: int) -> None:
@@ -222,7 +212,7 @@ def verify(path: Path) -> dict[str, Any]:
     for name, expected in manifest["sha256"].items():
         if not (path / name).is_file():
             raise Unreadable(f"{name} is missing")
-        if _sha256(path / name) != expected:
+        if sha256_of(path / name) != expected:
             raise Unreadable(f"{name} does not match its sha256 in COMPLETE")
     return manifest
 
@@ -460,9 +450,10 @@ def claim_run_dir(run_dir: Path, step: int | None, complete_logs: Sequence[str] 
 
 
 def resume(chosen: Path | None, world: Any, agents: Sequence[Any], updaters: Sequence[Any], sampler: Any,
-           env: Any) -> dict[str, Any] | None:
+           load_env_state: Callable[[dict[str, Any]], None]) -> dict[str, Any] | None:
     """Continue from `chosen` (the checkpoint `choose` picked; None: a fresh start): adapters,
-    optimizers, the problem order, and this process's random and env state are restored; returns
+    optimizers, the problem order, and this process's random and env state (`load_env_state`: the env's
+    load_state, as the trainer calls user code) are restored; returns
     the trainer state (`step`, `env_step`; None when fresh). Rank 0 reads the checkpoint (other
     machines need no shared disk); its errors stop every rank."""
     found = on_main(world, lambda: read(chosen, agents, updaters)) if chosen else None
@@ -476,5 +467,5 @@ def resume(chosen: Path | None, world: Any, agents: Sequence[Any], updaters: Seq
               f"rollouts are the same (seeded per tree), other random draws (LoRA dropout) are not", file=sys.stderr)
     mine = ranks[min(world.rank, len(ranks) - 1)]  # with fewer processes now, the last one's
     set_rng_state(mine["rng"])
-    env.load_state(mine["env"])
+    load_env_state(mine["env"])
     return state

@@ -374,9 +374,11 @@ class LimitsConfig:
     """Longest prompt, in characters, for an agent: the env's turn-0 prompts (checked at start-up, naming the env)
     and what a feedback function or mode returns (a longer one stops the run naming the function); 0 = no limit."""
     user_code_timeout_s: float = 3600.0
-    """Seconds one call of user code may run: a feedback function (per branch) or mode (per turn), an env's scoring
-    of a turn. Past it the run stops with one line naming the function, resumable from its last checkpoint (the
-    call is left running in a daemon thread, which the exit does not wait for); 0 = no limit."""
+    """Seconds one call of user code may run: a feedback function (per branch) or mode (each of its methods), every
+    env method (scoring a turn, loading a split, prompts, state), and a plugin's registered hook (baseline, credit
+    rule, scale, group_by, estimator, loss_agg, ratio_level, joint mode). magrpo's own registered math is not
+    timed; tools have tools.timeout_s. Past it the run stops with one line naming the function, resumable from its
+    last checkpoint (the call is left running in a daemon thread, which the exit does not wait for); 0 = no limit."""
 
 
 @dataclass

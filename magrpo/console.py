@@ -68,6 +68,20 @@ def progress_bar(total: int, enabled: bool, initial: int = 0):
     return tqdm(total=total, initial=initial, desc="magrpo", unit="step", dynamic_ncols=True)
 
 
+def phase_lines(bar, enabled: bool, head: str, quiet_s: float = 0.0):
+    """say(done): one line per phase of a task that can take minutes, `magrpo: HEAD: DONE (N s)` with the
+    seconds since this call, through the progress bar; said only once the task has run quiet_s seconds
+    (a quick one says nothing) and where `enabled` (rank 0)."""
+    start = time.perf_counter()
+
+    def say(done: str) -> None:
+        elapsed = time.perf_counter() - start
+        if enabled and elapsed >= quiet_s:
+            bar.write(f"magrpo: {head}: {done} ({elapsed:.0f} s)", file=sys.stderr)
+
+    return say
+
+
 class Interrupted(KeyboardInterrupt):
     """A stop signal while the run starts (before its first step): raised at once in the main thread. A
     KeyboardInterrupt, so that no `except Exception` of a library that is loading a model swallows it."""

@@ -6,7 +6,18 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Mapping, Sequence
 
-from .errors import ConfigError, EnvError, describe, qualified_name, user_code
+from .errors import (
+    BEFORE_RUN,
+    RESUMABLE,
+    ConfigError,
+    EnvError,
+    TimedOut,
+    describe,
+    qualified_name,
+    timed_out,
+    user_code,
+    within,
+)
 from .registry import ENV_HINT, Registry
 
 
@@ -116,11 +127,13 @@ def check_problem_prompts(env: Environment, problems: Sequence[Any], split: str)
                            f"key (it has: {keys or 'nothing'}); every problem needs its statement under 'prompt'")
 
 
-def check_prompt_sizes(env: Environment, problems: Sequence[Any], split: str, max_chars: int) -> None:
+def check_prompt_sizes(env: Environment, problems: Sequence[Any], split: str, max_chars: int,
+                       timeout_s: float = 0) -> None:
     """Every turn-0 prompt the env writes has at most max_chars characters (limits.max_prompt_chars; 0: no
     limit): a small record can still make a huge prompt. A ConfigError naming the env's agent_prompts."""
     for i, problem in enumerate(problems if max_chars else []):
-        prompts = call_env(env, "agent_prompts", problem, where=f"at start-up ({split} problem {i})")
+        prompts = call_env(env, "agent_prompts", problem, where=f"at start-up ({split} problem {i})",
+                           timeout_s=timeout_s, tail=BEFORE_RUN)
         sizes = [len(p) if isinstance(p, str) else 0 for p in prompts]
         if max(sizes, default=0) > max_chars:
             agent = sizes.index(max(sizes))
@@ -130,15 +143,19 @@ def check_prompt_sizes(env: Environment, problems: Sequence[Any], split: str, ma
                               f"raise the limit (0 = none)")
 
 
-def call_env(env: Environment, method: str, *args: Any, where: str) -> Any:
-    """env.method(*args); a raise becomes an EnvError naming the method and `where` (the turn).
+def call_env(env: Environment, method: str, *args: Any, where: str, timeout_s: float = 0,
+             tail: str = RESUMABLE) -> Any:
+    """env.method(*args), given at most timeout_s seconds (limits.user_code_timeout_s; 0: no limit): a raise
+    becomes an EnvError naming the method and `where` (the turn), a timeout a TimedOut ending with `tail`.
     ConfigError passes: bad input found while loading data is reported as such."""
-    with user_code(lambda e: EnvError(f"{qualified_name(type(env))}.{method} raised {where}: {describe(e)}")):
-        return getattr(env, method)(*args)
+    name = f"{qualified_name(type(env))}.{method}"
+    with user_code(lambda e: EnvError(f"{name} raised {where}: {describe(e)}"), keep=(TimedOut,)):
+        return within(timeout_s, lambda: timed_out(name, f" {where}", timeout_s, tail), getattr(env, method), *args)
 
 
-def make_env(env_cfg: Mapping[str, Any]) -> Environment:
-    """Build the env named by `env_cfg["name"]`, checking the other keys against its Config."""
+def make_env(env_cfg: Mapping[str, Any], timeout_s: float = 0) -> Environment:
+    """Build the env named by `env_cfg["name"]`, checking the other keys against its Config; its __init__ is
+    given at most timeout_s seconds (limits.user_code_timeout_s; 0: no limit)."""
     values = dict(env_cfg)
     name = values.pop("name", None)
     if name not in ENVS:
@@ -153,8 +170,9 @@ def make_env(env_cfg: Mapping[str, Any]) -> Environment:
             f"select the env with env={name} (or env.name={name} on the command line): it replaces the whole env node",
         )
     config = _build(cls.Config, values, "env", f"env {name!r}")
-    with user_code(lambda e: EnvError(f"{qualified_name(cls)}.__init__ raised at start-up: {describe(e)}")):
-        return cls(config)
+    name = f"{qualified_name(cls)}.__init__"
+    with user_code(lambda e: EnvError(f"{name} raised at start-up: {describe(e)}"), keep=(TimedOut,)):
+        return within(timeout_s, lambda: timed_out(name, " at start-up", timeout_s, BEFORE_RUN), cls, config)
 
 
 def _keys(cls: type[Environment]) -> set[str]:

@@ -2,7 +2,7 @@
 
 Every error magrpo raises on purpose is a `MagrpoError`: the CLI prints it as one line and exits
 with 2 (`ConfigError`: bad input, fix a setting) or 1 (anything else: training could not go on).
-Errors raised by user code (an env's methods, a feedback function) become one line that names the
+Errors raised by user code (an env's methods, a feedback function, a plugin's hook) become one line that names the
 function, with the full traceback kept in the run dir (`error.log`) rather than on the console.
 Text from outside (a program's or tool's output, an exception's message, a server's or an expert's
 reply, the model's own JSON) passes `valid_text` before it reaches a tokenizer or a file.
@@ -65,7 +65,11 @@ class FeedbackError(MagrpoError, TypeError):
 
 
 class TimedOut(MagrpoError, TimeoutError):
-    """User code (a feedback function or mode, an env's scoring) ran past limits.user_code_timeout_s."""
+    """User code (a feedback function or mode, an env method, a plugin's hook) ran past limits.user_code_timeout_s."""
+
+
+class PluginError(MagrpoError, RuntimeError):
+    """A plugin's registered hook (a baseline, credit rule, loss aggregation, ...) raised (the message names it)."""
 
 
 class SyncError(MagrpoError, RuntimeError):
@@ -129,6 +133,28 @@ def within(timeout_s: float, late: Callable[[], Exception], fn: Callable[..., An
     if "error" in out:
         raise out["error"]
     return out["value"]
+
+
+RESUMABLE = "the run dir is resumable from its last checkpoint with resume=auto"
+BEFORE_RUN = "nothing was trained or written"  # the tail for user code that start-up calls, before any run dir
+
+
+def timed_out(what: str, when: str, timeout_s: float, tail: str = RESUMABLE) -> TimedOut:
+    """The one-line error for user code (`what` names it) that ran past limits.user_code_timeout_s; `when`
+    (" at turn 1", or "") says where the run was."""
+    return TimedOut(f"{what} did not return within limits.user_code_timeout_s={timeout_s:g} s{when}; make it faster "
+                    f"or raise the limit (0 = none); {tail}")
+
+
+def limited(fn: Callable[..., Any], what: str, timeout_s: float, tail: str = RESUMABLE) -> Callable[..., Any]:
+    """fn as the trainer calls a plugin's hook: given at most timeout_s seconds (0: no limit), a raise or a
+    timeout one line naming `what` (its registry, name and qualified name)."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with user_code(lambda e: PluginError(f"{what} raised: {describe(e)}"), keep=(TimedOut,)):
+            return within(timeout_s, lambda: timed_out(what, "", timeout_s, tail), fn, *args, **kwargs)
+
+    return call
 
 
 def log_traceback(run_dir: Path, error: BaseException) -> Path | None:

@@ -20,8 +20,20 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
-from .env import CompletionInfo
-from .errors import ConfigError, FeedbackError, TimedOut, describe, qualified_name, user_code, valid_text, within
+from .env import CompletionInfo, call_env
+from .errors import (
+    BEFORE_RUN,
+    RESUMABLE,
+    ConfigError,
+    FeedbackError,
+    TimedOut,
+    describe,
+    qualified_name,
+    timed_out,
+    user_code,
+    valid_text,
+    within,
+)
 from .plugins import import_module
 from .registry import FEEDBACK_HINT, Registry
 
@@ -130,7 +142,7 @@ def call_feedback(fn: FeedbackFn, name: str, branch: Branch, select: Callable[[d
     with user_code(lambda e: raised(name, fn, when, e), keep=(TimedOut,)):
         # Copies: the tree keeps these lists, and a function that edits its arguments must not corrupt it.
         prompts = within(
-            timeout_s, lambda: timed_out(name, fn, when, timeout_s), fn,
+            timeout_s, lambda: late(name, fn, when, timeout_s), fn,
             prompt=branch.prompt,
             agent_completions=list(branch.agent_completions),
             num_agents=num_agents,
@@ -151,11 +163,17 @@ def raised(name: str, fn: Any, when: str, error: Exception) -> FeedbackError:
     return FeedbackError(f"feedback function {name!r} ({qualified_name(fn)}) raised {when}: {describe(error)}")
 
 
-def timed_out(name: str, fn: Any, when: str, timeout_s: float) -> TimedOut:
+def late(name: str, fn: Any, when: str, timeout_s: float) -> TimedOut:
     """The one-line error for a feedback function or mode that ran past limits.user_code_timeout_s."""
-    return TimedOut(f"feedback function {name!r} ({qualified_name(fn)}) did not return within "
-                    f"limits.user_code_timeout_s={timeout_s:g} s {when}; make it faster or raise the limit (0 = none); "
-                    f"the run dir is resumable from its last checkpoint with resume=auto")
+    tail = BEFORE_RUN if when == "at start-up" else RESUMABLE
+    return timed_out(f"feedback function {name!r} ({qualified_name(fn)})", f" {when}", timeout_s, tail)
+
+
+def call_mode(name: str, fn: Callable[..., Any], when: str, timeout_s: float, *args: Any) -> Any:
+    """fn(*args), a mode's method (or its class), as the trainer calls user code: a raise or a timeout
+    is one line naming it and `when`."""
+    with user_code(lambda e: raised(name, fn, when, e), keep=(FeedbackError, TimedOut)):
+        return within(timeout_s, lambda: late(name, fn, when, timeout_s), fn, *args)
 
 
 def check_prompts(prompts: Any, num_agents: int, name: str, fn: Any = None) -> list[str]:
@@ -208,8 +226,7 @@ class Feedback:
         self.options = options_of(external_cfg)
         target = target or resolve_feedback(self.name)
         is_mode = isinstance(target, type) and issubclass(target, FeedbackMode)
-        with user_code(lambda e: raised(self.name, target, "at start-up", e)):
-            self.mode = target(external_cfg, env) if is_mode else None
+        self.mode = call_mode(self.name, target, "at start-up", timeout_s, external_cfg, env) if is_mode else None
         self.fn = None if self.mode is not None else target
         self._select = accepted(self.fn) if self.fn is not None else None
         self.env = env
@@ -226,8 +243,7 @@ class Feedback:
                 f"or pick a generic mode such as plain",
             )
         if self.mode is not None:
-            with user_code(lambda e: raised(self.name, self.mode.check, "at start-up", e)):
-                self.mode.check()
+            call_mode(self.name, self.mode.check, "at start-up", self.timeout_s)
         else:
             self.check_signature()
 
@@ -241,7 +257,8 @@ class Feedback:
             return
         takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
         declared = set(getattr(self.env, "context_keys", ()))
-        problems = self.env.problems("train")  # loaded (and cached) by prepare already
+        problems = call_env(self.env, "problems", "train", where="at start-up", timeout_s=self.timeout_s,
+                            tail=BEFORE_RUN)  # loaded (and cached) by prepare already
         given = {*CALL_ARGUMENTS, "options", "completion_info", *declared, *(problems[0] if problems else ())}
         wrong = next((f"it does not take the argument {a!r}" for a in sorted(CALL_ARGUMENTS)
                       if a not in params and not takes_all), None)
@@ -262,11 +279,7 @@ class Feedback:
         for branch in branches:
             branch.context = feedback_context(branch, self.options)
         if self.mode is not None:
-            when = f"at turn {turn_of(branches)}"
-            failed = lambda e: raised(self.name, self.mode.batch, when, e)  # noqa: E731
-            with user_code(failed, keep=(FeedbackError, TimedOut)):
-                out = within(self.timeout_s, lambda: timed_out(self.name, self.mode.batch, when, self.timeout_s),
-                             self.mode.batch, branches)
+            out = call_mode(self.name, self.mode.batch, f"at turn {turn_of(branches)}", self.timeout_s, branches)
             if len(out) != len(branches):
                 raise FeedbackError(
                     f"feedback mode {self.name!r} returned {len(out)} prompt lists for {len(branches)} branches"
@@ -293,4 +306,6 @@ class Feedback:
         return prompts
 
     def metrics(self) -> dict[str, float]:
-        return self.mode.metrics() if self.mode is not None else {}
+        if self.mode is None:
+            return {}
+        return call_mode(self.name, self.mode.metrics, "reading its metrics", self.timeout_s)

@@ -38,12 +38,13 @@ def dr_grpo_weights(lengths: torch.Tensor, max_new_tokens: int, num_sequences: i
 
 
 def sequence_weights(agg: str, lengths: torch.Tensor, max_new_tokens: int, num_sequences: int | None = None,
-                     num_tokens: int | None = None) -> torch.Tensor:
+                     num_tokens: int | None = None, timeout_s: float = 0) -> torch.Tensor:
     """(B,) per-token weight for each of the agent's B sequences this step. The counts default to
-    these B sequences; a data-parallel rank passes the counts over all ranks."""
+    these B sequences; a data-parallel rank passes the counts over all ranks. A plugin's aggregation
+    runs under limits.user_code_timeout_s (`timeout_s`)."""
     num_sequences = len(lengths) if num_sequences is None else num_sequences
     num_tokens = int(lengths.sum()) if num_tokens is None else num_tokens
-    return LOSS_AGGS.get(agg)(lengths, max_new_tokens, num_sequences, num_tokens)
+    return LOSS_AGGS.hook(agg, timeout_s)(lengths, max_new_tokens, num_sequences, num_tokens)
 
 
 def gather_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -107,12 +108,14 @@ class LossSettings:
     ratio_level: str  # token | sequence (GSPO): RATIO_LEVELS
     kl_coef: float
     entropy_coef: float
+    user_code_timeout_s: float = 0  # a plugin's ratio level (limits.user_code_timeout_s; 0: no limit)
 
     @classmethod
     def of(cls, cfg: Any) -> "LossSettings":
         trainer = cfg.trainer
         return cls(clip_eps=trainer.clip_eps, clip_eps_high=trainer.clip_eps_high, ratio_level=trainer.ratio_level,
-                   kl_coef=trainer.kl_coef, entropy_coef=trainer.entropy_coef)
+                   kl_coef=trainer.kl_coef, entropy_coef=trainer.entropy_coef,
+                   user_code_timeout_s=cfg.limits.user_code_timeout_s)
 
 
 def policy_loss(
@@ -140,7 +143,8 @@ def policy_loss(
     clip_eps, kl_coef, entropy_coef = settings.clip_eps, settings.kl_coef, settings.entropy_coef
     high = clip_eps if settings.clip_eps_high is None else settings.clip_eps_high
     mask = target_mask.float()
-    ratio = torch.exp(RATIO_LEVELS.get(settings.ratio_level)(logp, old_logp, target_mask))
+    log_ratio = RATIO_LEVELS.hook(settings.ratio_level, settings.user_code_timeout_s)
+    ratio = torch.exp(log_ratio(logp, old_logp, target_mask))
     adv = advantages[:, None]
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1 - clip_eps, 1 + high) * adv

@@ -2,7 +2,9 @@
 register here by name; `magrpo/` itself never imports a specific environment."""
 from __future__ import annotations
 
-from typing import Callable, Generic, Iterator, TypeVar
+from typing import Any, Callable, Generic, Iterator, TypeVar
+
+from .errors import RESUMABLE, limited, qualified_name
 
 T = TypeVar("T")
 
@@ -45,6 +47,14 @@ class Registry(Generic[T]):
         except KeyError:
             raise KeyError(f"unknown {self.kind} {name!r}; choose one of: {', '.join(self.names())}") from None
 
+    def hook(self, name: str, timeout_s: float = 0, tail: str = RESUMABLE) -> T:
+        """The object under name, as the trainer calls it: a plugin's (user code) runs under
+        limits.user_code_timeout_s (`timeout_s`; 0: no limit) and a raise or a timeout is one line naming it
+        (ending with `tail`); magrpo's own (in-process math) is returned as it is, with no thread per call."""
+        obj = self.get(name)
+        what = f"{self.kind} {name!r} ({qualified_name(obj)})"
+        return obj if builtin(obj) else limited(obj, what, timeout_s, tail)
+
     def names(self) -> list[str]:
         return sorted(self._items)
 
@@ -53,6 +63,12 @@ class Registry(Generic[T]):
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.names())
+
+
+def builtin(obj: Any) -> bool:
+    """Defined in a magrpo module: magrpo's own code, not a plugin's."""
+    module = getattr(obj, "__module__", None) or ""
+    return module == "magrpo" or module.startswith("magrpo.")
 
 
 def _where(obj: object) -> str:

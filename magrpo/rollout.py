@@ -21,7 +21,7 @@ from .advantage import all_groups_flat, own_values
 from .backends import GenerationBackend
 from .conversation import first_chat
 from .env import CompletionInfo, Environment, Scored, call_env
-from .errors import RewardError, TimedOut, describe, qualified_name, within
+from .errors import RewardError, TimedOut, describe, qualified_name, timed_out, within
 from .feedback import Branch, accepted
 from .generation import GenerationRequest, SamplingParams, StopStrings
 from .sampling import stream_key
@@ -48,7 +48,7 @@ class TreeSettings:
     team_weight: float  # with per-agent rewards: each agent's value = w x team + (1 - w) x its own
     overlap_chunks: int  # a turn's nodes in this many backend calls, scored while the next part generates
     stop: StopStrings  # each agent's stop strings (generation.stop, agents[i].stop): its requests carry them
-    user_code_timeout_s: float  # seconds the env's score of a turn may take (limits.user_code_timeout_s; 0: no limit)
+    user_code_timeout_s: float  # seconds one call of user code may take (limits.user_code_timeout_s; 0: no limit)
 
     @classmethod
     def of(cls, cfg: Any) -> "TreeSettings":
@@ -77,10 +77,8 @@ def score_guarded(
     takes = accepted(env.score)
 
     def score(*args, **kwargs) -> list[Scored]:
-        late = lambda: TimedOut(  # noqa: E731
-            f"env {type(env).__name__} ({scoring_method(env)}) did not return within limits.user_code_timeout_s="
-            f"{timeout_s:g} s scoring turn {turn}; make it faster or raise the limit (0 = none); the run dir is "
-            f"resumable from its last checkpoint with resume=auto")
+        late = lambda: timed_out(f"env {type(env).__name__} ({scoring_method(env)})", f" scoring turn {turn}",  # noqa: E731
+                                 timeout_s)
         return within(timeout_s, late, env.score, *args, **kwargs)
 
     try:
@@ -210,7 +208,7 @@ class TreeExpander:
         self.conversation, self.on_turn = conversation, on_turn
         self.tree, self.sampling, self.seed, self.tree_offset = tree, sampling, seed, tree_offset
         self.n, self.k = env.num_agents, tree.num_generations
-        self.joint = joint_actions(tree.joint_mode, self.k, self.n)
+        self.joint = joint_actions(tree.joint_mode, self.k, self.n, tree.user_code_timeout_s)
         self.early_feedback = tree.resample_zero_std == 0  # dynamic sampling rescores before anything branches
         self.rollout = Rollout(problems=problems, nodes=[], timings={"gen_s": 0.0, "reward_s": 0.0, "feedback_s": 0.0})
 
@@ -238,7 +236,7 @@ class TreeExpander:
         nodes = []
         for b, problem in enumerate(self.problems):
             where = f"at turn 0 (problem {problem_name(problem)!r})"
-            prompts = call_env(self.env, "agent_prompts", problem, where=where)
+            prompts = call_env(self.env, "agent_prompts", problem, where=where, timeout_s=self.tree.user_code_timeout_s)
             nodes.append(Node(tree=b, turn=0, parent=None, prompts=prompts, prompt_history=[[p] for p in prompts],
                               response_history=[[] for _ in range(self.n)],
                               stream=None if self.seed is None else stream_key(self.seed, self.tree_offset + b)))
@@ -284,7 +282,8 @@ class TreeExpander:
         """Phase 1: K samples for every agent of every node, in one backend call. Sample k of agent a
         draws from stream (node, a, k); attempt > 0 (resampling) from streams of its own."""
         t0 = time.perf_counter()
-        contexts = [call_env(self.env, "tool_context", self.problems[node.tree], where=f"at turn {node.turn}")
+        contexts = [call_env(self.env, "tool_context", self.problems[node.tree], where=f"at turn {node.turn}",
+                             timeout_s=self.tree.user_code_timeout_s)
                     for node in nodes]  # the problem as the turn's tools see it (magrpo.tools.ToolContext)
         requests = [self.request(node, a, attempt, context) for node, context in zip(nodes, contexts)
                     for a in range(self.n)]
@@ -356,7 +355,7 @@ class TreeExpander:
         for attempt in range(1, tree.resample_zero_std + 1):
             flat = [i for i, node in enumerate(level) if all_groups_flat(
                 self.joint, own_values(scores.rewards[i], node.agent_rewards, tree.team_weight), self.k,
-                tree.cross_credit)]
+                tree.cross_credit, tree.user_code_timeout_s)]
             if not flat:
                 break
             again = [level[i] for i in flat]

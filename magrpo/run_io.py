@@ -9,7 +9,7 @@ import re
 import shutil
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
@@ -119,6 +119,32 @@ def _step_of(line: bytes) -> int | None:
         return None
     step = record.get("step") if isinstance(record, dict) else None
     return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
+def top_level(folder: Path) -> dict[str, int]:
+    """The entries at the top of a folder, by name, with their inode numbers (`put_back` compares them)."""
+    return {p.name: p.lstat().st_ino for p in folder.iterdir()}
+
+
+def put_back(folder: Path, before: dict[str, int]) -> None:
+    """Undo a start that trained nothing in a run dir it did not make: each entry that was there (`before`,
+    from top_level) gets its name back where the start renamed it (its logs set aside), and what the start
+    wrote (STARTED_FILES) is removed; anything else new there is not the run's and is left. Only the top
+    level: nested folders (checkpoints/) hold what a later start redoes anyway."""
+    from .paths import remove_tree
+
+    now = {p.lstat().st_ino: p for p in folder.iterdir()}
+    for name, inode in before.items():
+        moved = now.get(inode)
+        if moved is not None and moved.name != name:
+            with suppress(OSError):  # a folder where a new entry of that name is a non-empty folder: left
+                os.replace(moved, folder / name)
+    for path in map(folder.joinpath, STARTED_FILES):
+        if path.exists() and path.lstat().st_ino not in before.values():
+            if path.is_dir() and not path.is_symlink():
+                remove_tree(path)
+            else:
+                path.unlink(missing_ok=True)
 
 
 def aside_path(path: Path, stamp: str) -> Path:
@@ -287,6 +313,10 @@ class NullWriter:
     def log_samples(self, step: int, records: list[dict]) -> None: ...
     def log_adapters(self, folder: Path) -> None: ...
     def close(self) -> None: ...
+
+
+# What a start writes at the top of the run dir before its first step (RunWriter, write_config, wandb's dir=).
+STARTED_FILES = ("config.json", "config.json.tmp", *LOGS, "wandb")
 
 
 class RunWriter:

@@ -91,8 +91,8 @@ def tiny_model_path(spec: TinySpec = TinySpec(), cache_dir: str | Path | None = 
 def build_once(final: Path, build: Callable[[Path], None], what: str) -> Path:
     """`final`, built by `build(folder)` unless it holds a complete entry: built next to it in a folder
     this process owns (paths.owned_folder: swept by the next build when a killed one left it), sealed
-    with its files' sizes (paths.COMPLETE) and renamed into place, so racing processes share one. An
-    entry that is not complete (truncated weights, a file missing) is said and built again; a cache
+    with its files' sizes and sha256 (paths.COMPLETE) and renamed into place, so racing processes share
+    one. A broken entry (truncated weights, a file missing, bytes changed) is said and built again; a cache
     that cannot be written is one line naming MAGRPO_CACHE and the folder."""
     why = damage(final) if final.exists() else None
     if final.exists() and why is None:
@@ -105,7 +105,7 @@ def build_once(final: Path, build: Callable[[Path], None], what: str) -> Path:
         tmp, lock = owned_folder(final.parent, f".{final.name}.", ".tmp")
     try:
         if why is not None:
-            print(f"magrpo: the cached {what} {final} is incomplete ({why}); building it again", file=sys.stderr)
+            print(f"magrpo: the cached {what} {final} is broken ({why}); building it again", file=sys.stderr)
         print(f"building {what} {final.name} (once, cached at {final})", file=sys.stderr)
         with _caller_random_state_kept():
             try:
@@ -113,7 +113,7 @@ def build_once(final: Path, build: Callable[[Path], None], what: str) -> Path:
             except Exception as e:
                 if why is None or isinstance(e, ConfigError):
                     raise
-                raise FetchError(f"{CACHE_VAR}: the cached {what} {final} is incomplete ({why}) and could not be "
+                raise FetchError(f"{CACHE_VAR}: the cached {what} {final} is broken ({why}) and could not be "
                                  f"built again: {describe(e)}; delete {final}, or point {CACHE_VAR} at a cache "
                                  f"holding a complete copy") from e
         seal(tmp)

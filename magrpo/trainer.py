@@ -18,10 +18,10 @@ from . import checkpoint, run_lock
 from .advantage import AdvantageSettings, assign_advantages
 from .backends import make_backend
 from .config import LimitsConfig, TrainConfig, agent_entry, check_finite
-from .console import Interrupted, StopSignals, progress_bar, startup_line, summary_line
+from .console import Interrupted, StopSignals, phase_lines, progress_bar, startup_line, summary_line
 from .distributed import World, world_from_env
 from .env import Environment, call_env, check_problem_prompts, check_prompt_sizes, make_env
-from .errors import ConfigError, Stopped, TrainingError, log_traceback
+from .errors import BEFORE_RUN, ConfigError, Stopped, TrainingError, log_traceback
 from .evaluation import evaluate
 from .feedback import Feedback, FeedbackTarget, mode_for
 from .generation import SamplingParams
@@ -29,7 +29,7 @@ from .guards import BadSteps, Halvable, oom_retry
 from .loss import kept_completions
 from .metrics import Counter, Maximum, reduce_over_ranks
 from .rollout import Rollout, TreeSettings, expand_trees, merge_rollouts, portable
-from .run_io import LOGS, RESUME_HINT, NullWriter, RunWriter, make_run_dir, tree_records, writing
+from .run_io import LOGS, RESUME_HINT, NullWriter, RunWriter, make_run_dir, put_back, top_level, tree_records, writing
 from .sampling import stream_key
 from .toolbox import Toolbox
 from .tree import count_leaves
@@ -73,7 +73,7 @@ def prepare(
     API's env instance) instead of one made from cfg.env; `feedback`: a function or FeedbackMode
     class instead of cfg.external.mode."""
     validate(cfg)
-    env = env if env is not None else make_env(cfg.env)
+    env = env if env is not None else make_env(cfg.env, cfg.limits.user_code_timeout_s)
     check_finite(env.cfg, "env")
     # Every key the env runs with, its Config's defaults included: config.json, --cfg and resume see them all.
     cfg.env = {"name": cfg.env["name"], **asdict(env.cfg)}
@@ -102,10 +102,11 @@ def evaluates(cfg: TrainConfig) -> bool:
 def _check_split(env: Environment, split: str, limits: LimitsConfig) -> None:
     """Load a split now (the env caches it): bad data is a start-up error, and an empty split would
     leave nothing to sample, a huge record or turn-0 prompt take the machine's memory once encoded."""
-    problems = call_env(env, "problems", split, where=f"loading the {split} split")
+    problems = call_env(env, "problems", split, where=f"loading the {split} split",
+                        timeout_s=limits.user_code_timeout_s, tail=BEFORE_RUN)
     check_problem_sizes(problems, split, limits.max_problem_chars)
     check_problem_prompts(env, problems, split)
-    check_prompt_sizes(env, problems, split, limits.max_prompt_chars)
+    check_prompt_sizes(env, problems, split, limits.max_prompt_chars, limits.user_code_timeout_s)
     if not problems:
         key = env.split_keys.get(split, "env")
         value = getattr(env.cfg, key.partition(".")[2], None)
@@ -118,6 +119,7 @@ def _check_split(env: Environment, split: str, limits: LimitsConfig) -> None:
         raise ConfigError(key, f"{what}; give a split with at least one{hint}")
 
 
+SLOW_WRITE_S = 5.0  # a checkpoint write that has taken this long says how far it got
 # Domains of the sampling streams: training rollouts and evaluation paths never share a stream.
 TRAIN_STREAM, EVAL_STREAM = 0, 1
 
@@ -143,14 +145,17 @@ def owned_run_dir(cfg: TrainConfig, world: World):
     """The run dir (made when new), locked by rank 0 for the whole run: a second writer stops here, before
     any model loads, with one line naming the holder. Every rank gets its path. A dir made here and
     still empty at the end (the run stopped before writing anything) is removed, and so is one that a
-    signal during start-up stopped (it holds only the config and empty logs of a run that never began)."""
+    signal during start-up stopped (it holds only the config and empty logs of a run that never began);
+    one it did not make, and that holds no checkpoint, is put back as it was (run_io.put_back)."""
     held: list[run_lock.RunLock] = []
     made: list[Path] = []
+    found: dict[str, int] = {}  # rank 0: the top of a run dir that was there, as it was once locked
 
     def take() -> str:
         path, new = make_run_dir(cfg.logging.run_dir, cfg.env["name"])
         made.extend([path] if new else [])
         held.append(run_lock.acquire(path))
+        found.update({} if new else top_level(path))
         return str(path)
 
     path = None
@@ -162,6 +167,9 @@ def owned_run_dir(cfg: TrainConfig, world: World):
             shutil.rmtree(made[0], ignore_errors=True)
             made.clear()
             raise Interrupted(e.signum, f"{e}: nothing trained, the run dir it made is removed") from None
+        if found and not checkpoint.holds_checkpoints(path):
+            put_back(path, found)
+            raise Interrupted(e.signum, f"{e}: nothing trained, what it wrote in the run dir is removed") from None
         where = f"; resume=auto logging.run_dir={path} continues from its last checkpoint, if any" if path else ""
         raise Interrupted(e.signum, f"{e}{where}") from None
     finally:
@@ -221,8 +229,10 @@ class Run:
                                       trainer.warmup_steps) for a in self.agents]
         self.dir = run_dir
         # The same problem order on every rank; each takes its shard of every batch.
-        self.sampler = ProblemSampler(env.problems("train"), trainer.seed)
-        state = checkpoint.resume(chosen, world, self.agents, self.updaters, self.sampler, env)
+        self.timeout_s = cfg.limits.user_code_timeout_s  # every call of user code (the env's methods here)
+        self.sampler = ProblemSampler(self.call_env("problems", "train", where="at start-up"), trainer.seed)
+        state = checkpoint.resume(chosen, world, self.agents, self.updaters, self.sampler,
+                                  partial(self.call_env, "load_state", where="resuming"))
         if state:  # the engine (vllm) still serves the adapters it started with, not the checkpoint's
             self.backend.sync_weights()
         self.first_step, self.env_step = (state["step"] + 1, state["env_step"]) if state else (1, 0)
@@ -238,7 +248,8 @@ class Run:
             for line in env.warnings:
                 print(f"WARNING: {line}", file=sys.stderr)
         self.writer = RunWriter(self.dir, recorded, cfg.logging.wandb) if world.is_main else NullWriter()
-        self.eval_problems = env.problems("eval")[: cfg.eval.max_problems or None] if evaluates(cfg) else []
+        self.eval_problems = (self.call_env("problems", "eval", where="at start-up")[: cfg.eval.max_problems or None]
+                              if evaluates(cfg) else [])
         self.tree = TreeSettings.of(cfg)
         self.advantage_settings = AdvantageSettings.of(cfg)
         # per agent: its log-probs are scored under its own sampling temperature
@@ -256,6 +267,10 @@ class Run:
         self.bar = progress_bar(trainer.steps, cfg.logging.progress and world.is_main, initial=self.first_step - 1)
         self.stop = stop
         stop.ready()  # start-up is over: a signal now finishes the step and writes a checkpoint
+
+    def call_env(self, method: str, *args, where: str):
+        """An env method during the run: one line when it raises or runs past limits.user_code_timeout_s."""
+        return call_env(self.env, method, *args, where=where, timeout_s=self.timeout_s)
 
     def __enter__(self) -> "Run":
         return self
@@ -338,7 +353,8 @@ class Run:
                               "tokens": Counter(collected["tokens"]),
                               "mem": Maximum(peak_memory_gb(backend_device(self.agents)))})
         # The rollout's own numbers, read before evaluation: what evaluation counts goes in its eval/* keys
-        own = self.own_metrics(self.env.metrics(), collected["backend_metrics"], self.feedback.metrics())
+        own = self.own_metrics(self.call_env("metrics", where=f"after step {step}"), collected["backend_metrics"],
+                               self.feedback.metrics())
         e = self.cfg.eval
         evaluating = (e.every and step % e.every == 0) or (e.at_end and step == self.cfg.trainer.steps)
         eval_metrics = self.evaluate(step) if evaluating else {}
@@ -378,14 +394,8 @@ class Run:
 
     def eval_progress(self, step: int):
         """A line per turn of the greedy and the sampled paths (rank 0's share): an evaluation can take minutes."""
-        start, turns = time.perf_counter(), self.cfg.trainer.num_turns
-
-        def line(paths: str, turn: int) -> None:
-            if self.world.is_main:
-                self.bar.write(f"magrpo: eval (step {step}): {paths} paths, turn {turn + 1}/{turns} done "
-                               f"({time.perf_counter() - start:.0f} s)", file=sys.stderr)
-
-        return line
+        say, turns = phase_lines(self.bar, self.world.is_main, f"eval (step {step})"), self.cfg.trainer.num_turns
+        return lambda paths, turn: say(f"{paths} paths, turn {turn + 1}/{turns} done")
 
     def own_metrics(self, *parts: dict[str, float]) -> dict[str, float]:
         """The env's, feedback's and backend's own numbers, merged over ranks by kind (rank 0)."""
@@ -420,11 +430,14 @@ class Run:
         return bool(every and step % every == 0) or step == self.cfg.trainer.steps
 
     def save_checkpoint(self, step: int) -> None:
-        ranks = self.world.gather({"rng": checkpoint.rng_state(), "env": self.env.state()})
+        env_state = self.call_env("state", where=f"writing checkpoint {step}")
+        ranks = self.world.gather({"rng": checkpoint.rng_state(), "env": env_state})
         state = {"step": step, "env_step": self.env_step, "sampler": self.sampler.state(), "ranks": ranks}
         # Rank 0 writes; its failure (a full disk) stops every rank rather than leaving them waiting for it.
+        # A write that takes long (big adapters, a slow disk) says each part written once it passed SLOW_WRITE_S.
+        say = phase_lines(self.bar, self.world.is_main, f"writing checkpoint step {step}", SLOW_WRITE_S)
         checkpoint.on_main(self.world, lambda: str(checkpoint.save(
-            self.dir, step, self.agents, self.updaters, state, asdict(self.cfg), self.cfg.checkpoint.keep)))
+            self.dir, step, self.agents, self.updaters, state, asdict(self.cfg), self.cfg.checkpoint.keep, say)))
 
     def stopped(self, step: int) -> Stopped:
         """The error that ends a stopped run, on every rank with the same signal (the one any rank got)."""

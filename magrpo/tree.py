@@ -12,6 +12,7 @@ from typing import Callable
 
 import numpy as np
 
+from .errors import BEFORE_RUN, RESUMABLE
 from .registry import Registry
 
 JOINT_MODES: Registry = Registry("joint mode")
@@ -29,16 +30,18 @@ def cross_joint_actions(k: int, n: int) -> np.ndarray:
     return np.array(list(itertools.product(range(k), repeat=n)), dtype=np.int64).reshape(-1, n)
 
 
-def joint_actions(mode: str, k: int, n: int) -> np.ndarray:
-    return JOINT_MODES.get(mode)(k, n)
+def joint_actions(mode: str, k: int, n: int, timeout_s: float = 0, tail: str = RESUMABLE) -> np.ndarray:
+    """The (J, N) joint actions of `mode`; a plugin's mode runs under limits.user_code_timeout_s (`timeout_s`)."""
+    return JOINT_MODES.hook(mode, timeout_s, tail)(k, n)
 
 
-def tree_size(mode: str, k: int, n: int, num_turns: int, expand: str = "all") -> tuple[int, int]:
+def tree_size(mode: str, k: int, n: int, num_turns: int, expand: str = "all",
+              timeout_s: float = 0) -> tuple[int, int]:
     """(nodes, completions) of one tree when no branch stops early: J joint actions per node
     (align K, cross K^N), of which C = J (expand all) or min(J, M) (top:M, random:M) get a child,
     make C^t nodes at turn t, and every node samples K completions per agent."""
     rule, m = parse_expand(expand)
-    per_node = len(joint_actions(mode, k, n))
+    per_node = len(joint_actions(mode, k, n, timeout_s, BEFORE_RUN))  # sizes are checked at start-up
     children = per_node if rule == "all" else min(per_node, m)
     nodes = sum(children ** t for t in range(num_turns))
     return nodes, nodes * n * k

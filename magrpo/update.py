@@ -285,7 +285,8 @@ class AgentUpdater:
         lengths = torch.tensor([x.model_tokens for x in samples], dtype=torch.long)  # inserted tokens weigh nothing
         keep = trained_rows(samples, s.per_token_coef)
         num_sequences, num_tokens, num_kept = counts or self.batch_counts(samples, s.per_token_coef, world)
-        weights = sequence_weights(s.loss_agg, lengths, s.max_new_tokens, int(num_sequences), int(num_tokens))
+        weights = sequence_weights(s.loss_agg, lengths, s.max_new_tokens, int(num_sequences), int(num_tokens),
+                                   s.loss.user_code_timeout_s)
         self.agent.train_mode()
         first = FirstPass()  # what the first epoch sees before the weights move
         totals = {"loss": 0.0, "clipped_tokens": 0.0, "clipped_high_tokens": 0.0, "kl_sum": 0.0}

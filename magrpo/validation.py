@@ -226,7 +226,8 @@ def step_size(cfg: TrainConfig, num_agents: int) -> tuple[int, int]:
 
     trainer = cfg.trainer
     nodes, completions = tree_size(
-        trainer.joint_mode, trainer.num_generations, num_agents, trainer.num_turns, trainer.expand
+        trainer.joint_mode, trainer.num_generations, num_agents, trainer.num_turns, trainer.expand,
+        cfg.limits.user_code_timeout_s,
     )
     return nodes * trainer.batch_size, completions * trainer.batch_size
 

@@ -18,7 +18,8 @@ def _entered(name: str) -> None:
         (Path(gate) / name).touch()
 
 
-CALLS = {"n": 0, "hang_after": 0}  # in-process: the calls before it hangs (B=2, K=2 align: 4 per step)
+CALLS = {"n": 0, "hang_after": 0,  # in-process: the calls before it hangs (B=2, K=2 align: 4 per step)
+         "hang_s": 3600}  # how long `stuck` hangs
 _count = threading.Lock()
 
 
@@ -33,6 +34,19 @@ def hang(prompt, agent_completions, num_agents, prompt_history_per_agent, respon
         while not RELEASE.wait(3600):
             pass
     return [f"{prompt} again, agent {i}" for i in range(num_agents)]
+
+
+def stuck(*args, **kwargs):
+    """A plugin's hook (or an env method) that hangs, until RELEASE is set or CALLS["hang_s"] pass: a test
+    whose time limit does not hold fails by that then, rather than hanging forever."""
+    _entered("entered")
+    if not RELEASE.wait(CALLS["hang_s"]):
+        raise AssertionError(f"hung {CALLS['hang_s']} s: no time limit stopped it")
+
+
+def fails(*args, **kwargs):
+    """A plugin's hook that raises."""
+    raise ValueError("probe failure\nwith a second line")
 
 
 def signals(prompt, agent_completions, num_agents, prompt_history_per_agent, response_history_per_agent):
@@ -68,3 +82,9 @@ elif STAGE == "build":  # while the tiny model builds in its temp folder in $MAG
     import magrpo.tiny
 
     magrpo.tiny._build = _stalled(STAGE, magrpo.tiny._build)
+
+# A plugin (plugins=[tests.stop_probe]) with MAGRPO_TEST_HOOK=baseline: a baseline `stuck` that hangs.
+if os.environ.get("MAGRPO_TEST_HOOK") == "baseline":
+    from magrpo.advantage import BASELINES
+
+    BASELINES.register("stuck")(stuck)

@@ -1,7 +1,7 @@
 """Builds that cannot leave debris, cache entries that are verified (issue 45): a build killed in its
 temp folder, or a sandbox's private copy killed with its run, is swept by the next start once its owner
-is dead; a cache entry with truncated weights or files missing is built again; a cache that cannot be
-written is one line naming MAGRPO_CACHE and the folder."""
+is dead; a cache entry with truncated weights, files missing or bytes changed is built again; a cache
+that cannot be written is one line naming MAGRPO_CACHE and the folder."""
 from __future__ import annotations
 
 import os
@@ -77,6 +77,8 @@ def test_a_private_copy_of_a_killed_run_is_swept(tmp_path):
     (lambda e: (e / "model.safetensors").write_bytes((e / "model.safetensors").read_bytes()[:5000]),
      "model.safetensors holds 5,000 bytes, "),
     (lambda e: [p.unlink() for p in e.iterdir() if p.name != "config.json"], "it holds no weights"),
+    (lambda e: flip_last_byte(e / "model.safetensors"),
+     "model.safetensors does not match its sha256 from when it was built"),
 ])
 def test_a_broken_cache_entry_is_built_again(built, tmp_path, capfd, damage, why):
     """A cached folder with only config.json, or truncated weights: `unexpected SafetensorError`, exit
@@ -87,9 +89,28 @@ def test_a_broken_cache_entry_is_built_again(built, tmp_path, capfd, damage, why
     damage(entry)
     assert tiny_model_path(TinySpec(), cache_dir=tmp_path / "cache") == entry
     err = capfd.readouterr().err
-    assert f"magrpo: the cached tiny model {entry} is incomplete ({why}" in err, err
+    assert f"magrpo: the cached tiny model {entry} is broken ({why}" in err, err
     assert (entry / "model.safetensors").read_bytes() == (built / "model.safetensors").read_bytes()
     assert not list(entry.parent.glob(".*.tmp"))
+
+
+def flip_last_byte(path: Path) -> None:
+    """Bytes changed in place, the size kept (a disk's error, a program writing into the file)."""
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_a_marker_from_before_checksums_gets_them(built, tmp_path):
+    """An entry sealed with sizes only is checked by its shape and sizes, then sealed with checksums."""
+    import json
+
+    entry = copied(built, tmp_path)
+    sizes = {p.name: p.stat().st_size for p in entry.iterdir()}
+    (entry / COMPLETE).write_text(json.dumps({"files": sizes}))
+    assert tiny_model_path(TinySpec(), cache_dir=tmp_path / "cache") == entry
+    marker = json.loads((entry / COMPLETE).read_text())
+    assert marker["files"] == sizes and sorted(marker["sha256"]) == sorted(sizes)
 
 
 def test_truncated_weights_without_a_marker_are_found_by_their_header(built, tmp_path, capfd):

@@ -101,9 +101,10 @@ def test_magrpo_has_no_import_cycle():
 def test_the_bottom_layer_imports_nothing_above_it():
     """Every module may import these, so they import nothing of magrpo but errors."""
     # lifeline and mcp_relay run as scripts (python -I -S): the stdlib only
-    for module in ("errors", "paths", "registry", "sampling", "distributed", "lifeline", "mcp_relay"):
+    for module in ("errors", "paths", "sampling", "distributed", "lifeline", "mcp_relay"):
         assert imports_of(module) == set(), module
     assert imports_of("config") <= {"errors"}
+    assert imports_of("registry") <= {"errors"}  # a plugin's hook runs under limits.user_code_timeout_s
 
 
 def test_each_module_imports_alone():
