@@ -63,7 +63,7 @@ class Sizes:
 # Sized to run in about 3 hours on 2 CPU cores (a step of the reference variant, 40 completions of
 # up to 96 tokens, takes ~75 s there, a held-out evaluation ~100 s): 12 runs of 5 steps, evaluated
 # before the first step and after every step. The learning rate is 3x the model
-# default so that 5 steps can move anything; docs/code_learning_results.md says what this scale can show.
+# default so that 5 steps can move anything; docs/results/code_learning.md says what this scale can show.
 FULL = Sizes("smollm2-135m", 24, 4, 5, 1, 4, 96, 8, 1, (0, 1, 2), 3e-4)
 SMOKE = Sizes("tiny", 2, 2, 1, 1, 2, 16, 2, 2, (0,), 1e-4, strict=False, eval_every=0)
 

@@ -21,7 +21,7 @@ is never sampled for this and never narrowed.
 
 A run that is stopped resumes from its last checkpoint when the same command is run again
 (`resume=auto`, a checkpoint every `checkpoint_every` steps); finished runs are kept and checked to
-have the same settings. docs/easy_learning_results.md holds the results and how they were made.
+have the same settings. docs/results/easy_learning.md holds the results and how they were made.
 """
 from __future__ import annotations
 
@@ -88,7 +88,7 @@ class Sizes:
 # A top-level def after a blank line ends it too: the helper wrote one function after another, unfenced,
 # until the limit (69% of replies cut at step 8 of the first runs); the env drops the kept "def".
 # Sized for about 95 minutes of the 2-core CPU as two 1-thread queues side by side (the method's 3 seeds in
-# one, the baselines' in the other; docs/easy_learning_results.md): 12 steps, held-out evaluation greedy
+# one, the baselines' in the other; docs/results/easy_learning.md): 12 steps, held-out evaluation greedy
 # and 1 sampled path on 30 problems before training, after step 6 and after step 12. The first runs
 # (8 steps at lr 3e-4) moved only the reward's formatting levels: lr 5e-4 and 12 steps give the LoRA more room.
 FULL = Sizes("smollm2-135m", steps=12, batch_size=1, k=4, max_new_tokens=128, lr=5e-4, eval_problems=30,

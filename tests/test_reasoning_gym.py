@@ -68,7 +68,7 @@ def test_rewards_are_the_librarys_score_answer_on_right_wrong_and_malformed_answ
 
 
 def test_tag_or_last_number_reads_an_untagged_replys_last_number_and_a_tag_first(rg):
-    """SmolLM2-135M writes no <answer> tags (docs/reasoning_sizing_results.md): with tags only, every reply
+    """SmolLM2-135M writes no <answer> tags (docs/results/reasoning_sizing.md): with tags only, every reply
     scores 0; env.answer_reading=tag_or_last_number reads the tag, else the last number."""
     lenient, strict = (make_env(rg, task="chain_sum", num_agents=1, answer_reading=how)
                        for how in ("tag_or_last_number", "tags"))

@@ -68,7 +68,7 @@ class ReasoningGymEnv(Environment):
         answer_reading: str = "tags"
         """How an answer is read from a reply: tags (the library's: the last <answer>...</answer>; none = no answer) |
         tag_or_last_number (the tag, else the reply's last number: for numeric tasks and models that write no tags,
-        e.g. SmolLM2-135M, docs/reasoning_sizing_results.md)."""
+        e.g. SmolLM2-135M, docs/results/reasoning_sizing.md)."""
 
     default_feedback = "reasoning_gym"
     split_keys = {"train": "env.train_size", "eval": "env.eval_size"}
