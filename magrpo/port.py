@@ -39,8 +39,8 @@ ALWAYS = [
     "wants a learning rate ~10x higher.",
     "optimizer: CoMLRL's AdamW has torch's defaults (weight decay 0.01) and no gradient clipping; its loss sums "
     "each completion's log-probs (trainer.loss_agg=dr_grpo weighs every token alike too). It takes one step per "
-    "drained rollout buffer and turn (3.5 per prompt aligned with its defaults), magrpo one per batch of trees "
-    "(docs/results/parity.md).",
+    "drained rollout buffer and turn (3.5 per prompt aligned with its defaults), magrpo one per batch of trees, "
+    "or one per turn with trainer.update_every=turn (docs/results/parity.md).",
     "tests: LLM_Collab's reward and feedback see the first `sandbox_slice` asserts; magrpo's code env runs "
     "every test case in its sandbox.",
 ]
