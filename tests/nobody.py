@@ -62,10 +62,15 @@ def unavailable() -> str | None:
 
 
 def blocked(path: str) -> list[tuple[str, str]]:
-    """Each folder on the way to `path` that others cannot search, with the next step below it."""
+    """Each folder on the way to `path` that others cannot search, with the next step below it; and
+    `path` itself when it is such a folder, with every entry in it (a checkout in a `mktemp -d` folder:
+    its files are what the command reads)."""
     parts = Path(path).parts
-    return [(str(Path(*parts[:i])), parts[i]) for i in range(1, len(parts))
-            if not os.stat(Path(*parts[:i])).st_mode & stat.S_IXOTH]
+    out = [(str(Path(*parts[:i])), parts[i]) for i in range(1, len(parts))
+           if not os.stat(Path(*parts[:i])).st_mode & stat.S_IXOTH]
+    if os.path.isdir(path) and not os.stat(path).st_mode & stat.S_IXOTH:
+        out += [(path, entry) for entry in os.listdir(path)]
+    return out
 
 
 def open_up(paths: list[str]) -> None:
