@@ -355,23 +355,27 @@ def load_agents(cfg: TrainConfig, num_agents: int, tool_schemas: tuple[dict, ...
         )
 
     names = agent_model_names(cfg, num_agents)
-    full = [i for i in range(num_agents) if agent_entry(cfg, i).finetune == "full"]
+    # Each model resolved once: a cached entry is verified (sizes and checksums) at every resolve.
+    resolved: dict[str, str] = {}
+    for name, key in names:
+        if name not in resolved:
+            resolved[name] = resolve_model_path(name, key, cfg.model.tiny_hidden_size, cfg.model.tiny_layers)
+    full = {i for i in range(num_agents) if agent_entry(cfg, i).finetune == "full"}
+    full_weights = full_dtype(cfg.model)
     if full:
         from .agent_memory import check_full_agents
 
-        paths = [resolve_model_path(names[i][0], names[i][1], cfg.model.tiny_hidden_size, cfg.model.tiny_layers)
-                 for i in full]
-        check_full_agents([(i, names[i][0], path) for i, path in zip(full, paths)], full_dtype(cfg.model),
+        check_full_agents([(i, names[i][0], resolved[names[i][0]]) for i in sorted(full)], full_weights,
                           cfg.trainer.kl_coef > 0, device)
     shared: dict[str, tuple[torch.nn.Module, object, str]] = {}
     agents = []
     for i, (name, key) in enumerate(names):
         if i in full:
-            model, tok, path = _load_model(cfg, name, key, getattr(torch, full_dtype(cfg.model)[0]), device)
+            model, tok, path = _load_model(cfg, name, key, resolved[name], getattr(torch, full_weights[0]), device)
             reference = _frozen_copy(model) if cfg.trainer.kl_coef > 0 else None
         else:
             if name not in shared:
-                base, tok, path = _load_model(cfg, name, key, dtype, device)
+                base, tok, path = _load_model(cfg, name, key, resolved[name], dtype, device)
                 with peft_deprecation_silenced():
                     shared[name] = (get_peft_model(base, lora(i), adapter_name=adapter_name(i)), tok, path)
             else:
@@ -400,11 +404,11 @@ def _frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
     return reference
 
 
-def _load_model(cfg: TrainConfig, name: str, key: str, dtype: torch.dtype, device: torch.device):
-    """(model on `device`, its tokenizer, its folder or hub id); a failure to load is a ConfigError on `key`."""
+def _load_model(cfg: TrainConfig, name: str, key: str, path: str, dtype: torch.dtype, device: torch.device):
+    """(model on `device`, its tokenizer, `path`: the model `name` resolved); a failure to load is a
+    ConfigError on `key`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = resolve_model_path(name, key, cfg.model.tiny_hidden_size, cfg.model.tiny_layers)
     cache_only = cache_only_for(path)
     try:
         with hub.cache_only(cache_only), quiet_progress_bars():

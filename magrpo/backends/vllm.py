@@ -194,22 +194,19 @@ class VLLMBackend:
         # The engine core (and its worker) are spawned here and read their environment when they start.
         started_before = set(lifeline.children(os.getpid()))
         with patched_environ(engine_env(os.environ, device, usable_cpus())):
-            engine = self._start(vllm, cfg, group, weights, lora)
+            engine = vllm.LLM(
+                model=weights, tokenizer=group[0].model_path, dtype=self._dtype(group), seed=cfg.trainer.seed,
+                enforce_eager=self.cfg.enforce_eager, enable_prefix_caching=True, **lora,
+                gpu_memory_utilization=self.cfg.gpu_memory_utilization,
+                max_model_len=self.cfg.max_model_len or None, block_size=self.cfg.block_size or None,
+                enable_sleep_mode=self.cfg.sleep_mode, trust_remote_code=cfg.model.trust_remote_code,
+                # Completion.logprobs means "under the sampling distribution" (temperature, top-k/p), as in HF.
+                logprobs_mode="processed_logprobs", disable_log_stats=False,
+            )
         # vLLM's engine core (and multiprocessing's resource tracker) outlived a trainer killed with -9,
         # holding the model's memory: a watcher ends them if this process dies (magrpo/lifeline.py).
         lifeline.watch([pid for pid in lifeline.children(os.getpid()) if pid not in started_before])
         return engine
-
-    def _start(self, vllm, cfg: TrainConfig, group: list[Agent], weights: str, lora: dict):
-        return vllm.LLM(
-            model=weights, tokenizer=group[0].model_path, dtype=self._dtype(group), seed=cfg.trainer.seed,
-            enforce_eager=self.cfg.enforce_eager, enable_prefix_caching=True, **lora,
-            gpu_memory_utilization=self.cfg.gpu_memory_utilization,
-            max_model_len=self.cfg.max_model_len or None, block_size=self.cfg.block_size or None,
-            enable_sleep_mode=self.cfg.sleep_mode, trust_remote_code=cfg.model.trust_remote_code,
-            # Completion.logprobs means "under the sampling distribution" (temperature, top-k/p), as in HF.
-            logprobs_mode="processed_logprobs", disable_log_stats=False,
-        )
 
     def _lora_requests(self, agents: Sequence[Agent]) -> list | None:
         """The LoRARequest of each agent, or None for a full agent's engine (it serves its own weights)."""
