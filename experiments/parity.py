@@ -2,19 +2,25 @@
 magrpo with full-weight agents on one task, per prompt, over seeds (issue 47, part 2).
 
     bash scripts/setup_comlrl.sh                        # once: CoMLRL's own venv (~/.cache/magrpo/comlrl-venv)
-    .venv/bin/python experiments/parity.py              # align + cross, 3 seeds, 48 prompts: experiments/out/parity/
+    .venv/bin/python experiments/parity.py              # align + cross, 6 seeds, 48 prompts: experiments/out/parity/
     .venv/bin/python experiments/parity.py --quick      # the whole pipeline in seconds (1 seed, 2 prompts, tiny tree)
     .venv/bin/python experiments/parity.py --modes align --seeds 1 --prompts 20   # a small real comparison
 
 Both sides train the length_ratio task (bench/comlrl_pair.py: prompts, reward, feedback, tiny model)
 with the same tree (N=2 agents, K, T turns, no early termination), tokens, sampling, learning rate,
 AdamW, one prompt per step, and for each seed the same problems in the same order (the order magrpo's
-sampler draws for that seed, handed to CoMLRL as its dataset). CoMLRL runs in its own venv as a
-subprocess (experiments/parity_comlrl.py, its trainer built as its docs show); magrpo runs through
-its CLI (`train.py` with the overrides of `magrpo_overrides` below). The runs go one at a time (each
-library in turn, first one then the other by seed), with the same torch thread count (--threads).
-docs/results/parity.md says what CoMLRL does per step, which magrpo settings match it, and what
-cannot be matched (`MAGRPO_SETTINGS` holds the latter's choices).
+sampler draws for that seed, handed to CoMLRL as its dataset). `--updates turn` (the default) gives
+both one optimizer step per turn of each prompt's tree (magrpo `trainer.update_every=turn`; CoMLRL a
+rollout buffer of one tree's nodes, drained by turn); `--updates buffer` keeps CoMLRL's default
+buffer of 2 (3.5 steps per prompt aligned, 9.5 crossed) against magrpo's one step per prompt.
+CoMLRL runs in its own venv as a subprocess (experiments/parity_comlrl.py, its trainer built as its docs
+show); magrpo runs through its CLI (`train.py` with the overrides of `magrpo_overrides` below). The runs
+go one at a time (each library in turn, first one then the other by seed), with the same torch thread
+count (--threads). docs/results/parity.md says what CoMLRL does per step, which magrpo settings match
+it, and what cannot be matched (`MAGRPO_SETTINGS` holds the latter's choices).
+
+A run whose record is already in --out/runs with the same inputs (`run_inputs`) is kept, not run
+again: a stopped comparison resumes, and more seeds add to the ones made.
 
 Output (--out): runs/<library>_<mode>_seed<s>.json as each run ends (per prompt: rewards of each turn,
 seconds, problem id), parity.json (settings, every record, the summary), parity.png (per-turn
@@ -70,17 +76,25 @@ class Settings:
 
     task: str = "length_ratio"
     modes: tuple[str, ...] = ("align", "cross")
-    seeds: tuple[int, ...] = (0, 1, 2)
+    seeds: tuple[int, ...] = (0, 1, 2, 3, 4, 5)  # a 3-seed band is too narrow to hold a curve (parity.md)
     prompts: int = 48  # prompts per run = steps (one prompt per step), one epoch over a split of this size
     tree: Tree = field(default_factory=Tree)
     lr: float = 3e-3  # both sides, every agent: both learn visibly within 24 prompts (docs/results/parity.md)
     threads: int = 1  # torch intra-op threads of every run (OMP_NUM_THREADS)
     window: int = 8  # prompts averaged for the "first" and "last" rewards of the table
+    updates: str = "turn"  # optimizer steps: one per turn on both sides, or each library's own ("buffer")
     magrpo_extra: tuple[str, ...] = ()  # more train.py overrides (after MAGRPO_SETTINGS: they win)
     comlrl_extra: tuple[tuple[str, object], ...] = ()  # more MAGRPOConfig fields (over COMLRL_SETTINGS)
 
 
 QUICK = Settings(seeds=(0,), prompts=2, tree=Tree(k=2, turns=2, max_new_tokens=6), window=1)
+UPDATES = ("turn", "buffer")
+
+
+def tree_nodes(tree: Tree, mode: str) -> int:
+    """Nodes of one tree without early termination: each node below the last turn has one child per
+    joint action."""
+    return sum(tree.joint_actions(mode) ** t for t in range(tree.turns))
 
 
 def problem_order(prompts: int, seed: int) -> list[int]:
@@ -96,15 +110,30 @@ def magrpo_command(s: Settings, mode: str, seed: int, run_dir: Path) -> list[str
     full = ", ".join(["{finetune: full}"] * s.tree.num_agents)
     return [sys.executable, str(ROOT / "train.py"),
             *magrpo_overrides(TASKS[s.task], s.tree, mode, s.prompts, 1, seed),
-            f"agents=[{full}]", f"trainer.lr={s.lr}", *MAGRPO_SETTINGS, *s.magrpo_extra,
+            f"agents=[{full}]", f"trainer.lr={s.lr}", *MAGRPO_SETTINGS,
+            *(["trainer.update_every=turn"] if s.updates == "turn" else []), *s.magrpo_extra,
             "eval.at_end=false", "eval.every=0", "logging.progress=false", "logging.rollouts=true",
             "logging.samples_every=0", "logging.wandb.mode=disabled", f"logging.run_dir={run_dir}"]
 
 
 def comlrl_spec(s: Settings, mode: str, seed: int) -> dict:
+    # per turn: a buffer holding one tree's node samples is drained by turn, one batch (step) per turn
+    per_turn = {"rollout_buffer_size": tree_nodes(s.tree, mode), "train_batch_size": tree_nodes(s.tree, mode)}
     return {"task": s.task, "mode": mode, "seed": seed, "tree": asdict(s.tree),
             "problems": problem_order(s.prompts, seed),
-            "config": {"agent_learning_rate": s.lr, **COMLRL_SETTINGS, **dict(s.comlrl_extra)}}
+            "config": {"agent_learning_rate": s.lr, **COMLRL_SETTINGS, **(per_turn if s.updates == "turn" else {}),
+                       **dict(s.comlrl_extra)}}
+
+
+def run_inputs(s: Settings, library: str, mode: str, seed: int) -> dict:
+    """Everything a run's record depends on: magrpo's overrides (as key -> value, the last one winning,
+    as Hydra reads them; the run folder aside) or CoMLRL's spec, and the thread count. A record made
+    with the same inputs is reused (by an older commit too: its record names the commit)."""
+    if library == "comlrl":
+        return {"spec": comlrl_spec(s, mode, seed), "threads": s.threads}
+    overrides = dict(item.partition("=")[::2] for item in magrpo_command(s, mode, seed, Path("RUN"))[2:])
+    overrides.pop("logging.run_dir")
+    return {"overrides": overrides, "threads": s.threads}
 
 
 def child_env(threads: int) -> dict[str, str]:
@@ -208,28 +237,51 @@ def band_agreement(records: list[dict], s: Settings) -> list[dict]:
     """Per mode and turn, what issue 47 asks: at each prompt, is magrpo's smoothed curve (the mean over its
     seeds, as plotted) within CoMLRL's band (its seeds' lowest to highest)? Counts, and the largest gap
     below and above the band."""
+    return [dict(row, compared="magrpo, all seeds vs CoMLRL, all seeds")
+            for row in agreement(records, s, lambda r: r["library"] == "magrpo", lambda r: r["library"] == "comlrl")]
+
+
+def calibration(records: list[dict], s: Settings) -> list[dict]:
+    """The same test of CoMLRL against itself: the mean of half its seeds against the band of the other
+    half, both ways round. How often one library's curve leaves its own band with that many seeds is
+    what a difference between the libraries has to be read against."""
+    seeds = sorted({r["seed"] for r in records if r["library"] == "comlrl"})
+    halves = (seeds[:len(seeds) // 2], seeds[len(seeds) // 2:])
+    if not halves[0]:
+        return []
+    rows = []
+    for ours, theirs in (halves, halves[::-1]):
+        rows += [dict(row, compared=f"CoMLRL seeds {ours} vs CoMLRL seeds {theirs}")
+                 for row in agreement(records, s, lambda r, o=ours: r["library"] == "comlrl" and r["seed"] in o,
+                                      lambda r, o=theirs: r["library"] == "comlrl" and r["seed"] in o)]
+    return rows
+
+
+def agreement(records: list[dict], s: Settings, ours, theirs) -> list[dict]:
+    """Prompt by prompt, the mean of the `ours` records' smoothed curves against the lowest-to-highest
+    band of the `theirs` records' (each a predicate on a record), per mode and turn."""
     out = []
     for mode in s.modes:
         for turn in range(s.tree.turns):
-            bands = {lib: [smooth(curve(r, turn), s.window) for r in records
-                           if r["mode"] == mode and r["library"] == lib] for lib in LIBRARIES}
-            if not all(bands.values()):
+            sides = [[smooth(curve(r, turn), s.window) for r in records if r["mode"] == mode and pick(r)]
+                     for pick in (ours, theirs)]
+            if not all(sides):
                 continue
             gaps = []
-            for at, ours in enumerate(zip(*bands["magrpo"])):
-                theirs = [c[at] for c in bands["comlrl"]]
-                mean = statistics.fmean(ours)
-                gaps.append(min(0.0, mean - min(theirs)) + max(0.0, mean - max(theirs)))
+            for at, values in enumerate(zip(*sides[0])):
+                band = [c[at] for c in sides[1]]
+                mean = statistics.fmean(values)
+                gaps.append(min(0.0, mean - min(band)) + max(0.0, mean - max(band)))
             out.append({"mode": mode, "turn": turn, "prompts": len(gaps), "within": sum(g == 0 for g in gaps),
                         "largest_below": min(gaps), "largest_above": max(gaps)})
     return out
 
 
 def agreement_table(rows: list[dict]) -> str:
-    lines = ["| mode | turn | prompts where magrpo is within CoMLRL's band | largest gap below | largest gap above |",
-             "|---|---|---|---|---|"]
-    lines += [f"| {r['mode']} | {r['turn'] + 1} | {r['within']} of {r['prompts']} | {r['largest_below']:.3f} | "
-              f"{r['largest_above']:.3f} |" for r in rows]
+    lines = ["| compared | mode | turn | prompts within the band | largest gap below | largest gap above |",
+             "|---|---|---|---|---|---|"]
+    lines += [f"| {r['compared']} | {r['mode']} | {r['turn'] + 1} | {r['within']} of {r['prompts']} | "
+              f"{r['largest_below']:.3f} | {r['largest_above']:.3f} |" for r in rows]
     return "\n".join(lines)
 
 
@@ -305,7 +357,7 @@ def settings_from(a: argparse.Namespace) -> Settings:
     sizes = {"k": a.k, "turns": a.turns, "max_new_tokens": a.max_new_tokens}
     tree = replace(base.tree, **{k: v for k, v in sizes.items() if v is not None})
     given = {"modes": tuple(a.modes) if a.modes else None, "prompts": a.prompts, "lr": a.lr, "threads": a.threads,
-             "window": a.window, "seeds": tuple(range(a.seeds)) if a.seeds else None,
+             "window": a.window, "updates": a.updates, "seeds": tuple(range(a.seeds)) if a.seeds else None,
              "magrpo_extra": tuple(a.magrpo) or None, "comlrl_extra": tuple(map(config_item, a.comlrl)) or None}
     return replace(base, tree=tree, **{k: v for k, v in given.items() if v is not None})
 
@@ -325,7 +377,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="seconds-long smoke: 1 seed, 2 prompts, K=2, 6 tokens")
     p.add_argument("--modes", nargs="+", choices=["align", "cross"], help="joint modes (default both)")
-    p.add_argument("--seeds", type=int, help="seeds 0..N-1 (default 3)")
+    p.add_argument("--seeds", type=int, help="seeds 0..N-1 (default 6)")
     p.add_argument("--prompts", type=int, help="prompts per run, one per step (default 48)")
     p.add_argument("--lr", type=float, help="learning rate of every agent, both libraries (default 3e-3)")
     p.add_argument("--k", type=int, help="completions per agent and node (default 4)")
@@ -333,6 +385,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, help="tokens per completion (default 32)")
     p.add_argument("--threads", type=int, help="torch threads of every run (default 1)")
     p.add_argument("--window", type=int, help="prompts per table average and plot smoothing (default 8)")
+    p.add_argument("--updates", choices=UPDATES, help="turn (default): both one optimizer step per turn of a "
+                   "prompt's tree; buffer: CoMLRL's default buffer of 2 against magrpo's one step per prompt")
     p.add_argument("--magrpo", action="append", default=[], metavar="OVERRIDE",
                    help="one more train.py override for the magrpo side (repeatable)")
     p.add_argument("--comlrl", action="append", default=[], metavar="KEY=VALUE",
@@ -348,8 +402,12 @@ def main(argv: list[str] | None = None) -> dict:
     a = parse(argv)
     s = settings_from(a)
     if "comlrl" in a.sides and not a.comlrl_python.exists():
-        raise SystemExit(f"parity: no CoMLRL venv at {a.comlrl_python}: run bash scripts/setup_comlrl.sh "
-                         "(or pass --sides magrpo)")
+        if a.comlrl_python != COMLRL_VENV / "bin" / "python":
+            raise SystemExit(f"parity: --comlrl-python {a.comlrl_python} does not exist")
+        # one command from a clean clone: CoMLRL's own venv is made first (a few minutes, once)
+        print(f"parity: no CoMLRL venv at {COMLRL_VENV}: making it with scripts/setup_comlrl.sh", file=sys.stderr)
+        subprocess.run(["bash", str(ROOT / "scripts" / "setup_comlrl.sh")], check=True,
+                       env={**os.environ, "MAGRPO_COMLRL_VENV": str(COMLRL_VENV)})
     runs_dir = a.out / "runs"
     runs_dir.mkdir(parents=True, exist_ok=True)
     records, started, before = [], time.time(), machine()
@@ -358,22 +416,31 @@ def main(argv: list[str] | None = None) -> dict:
             for seed in s.seeds:
                 # each library first on every other seed: a slow drift of the machine's load hits both
                 for library in (a.sides if seed % 2 == 0 else a.sides[::-1]):
-                    print(f"[{time.strftime('%H:%M:%S')}] {library} {mode} seed {seed} ...", file=sys.stderr)
-                    record = (run_magrpo(s, mode, seed, Path(tmp)) if library == "magrpo"
-                              else run_comlrl(s, mode, seed, Path(tmp), a.comlrl_python))
-                    (runs_dir / f"{library}_{mode}_seed{seed}.json").write_text(json.dumps(record, indent=1))
+                    saved, inputs = runs_dir / f"{library}_{mode}_seed{seed}.json", run_inputs(s, library, mode, seed)
+                    record = json.loads(saved.read_text()) if saved.exists() else {}
+                    if record.get("inputs") == inputs:
+                        print(f"[{time.strftime('%H:%M:%S')}] {library} {mode} seed {seed}: kept from {saved}",
+                              file=sys.stderr)
+                    else:
+                        why = " (its saved record had other inputs)" if record else ""
+                        print(f"[{time.strftime('%H:%M:%S')}] {library} {mode} seed {seed}{why} ...", file=sys.stderr)
+                        record = (run_magrpo(s, mode, seed, Path(tmp)) if library == "magrpo"
+                                  else run_comlrl(s, mode, seed, Path(tmp), a.comlrl_python))
+                        record.update(inputs=inputs, commit=before["commit"])
+                        saved.write_text(json.dumps(record, indent=1))
                     records.append(record)
     check_same_problems(records)
     rows = summarise(records, s)
     result = {"settings": asdict(s), "magrpo_settings": list(MAGRPO_SETTINGS), "comlrl_settings": COMLRL_SETTINGS,
               "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(started)),
               "wall_s": time.time() - started, "machine": before, "load_average_after": os.getloadavg(),
-              "summary": rows, "agreement": band_agreement(records, s), "records": records}
+              "summary": rows, "agreement": band_agreement(records, s),
+              "calibration": calibration(records, s), "records": records}
     (a.out / "parity.json").write_text(json.dumps(result, indent=1))
     picture = plot(records, s, a.out / "parity.png")
     print(table(rows, s))
     if result["agreement"]:
-        print(agreement_table(result["agreement"]))
+        print(agreement_table(result["agreement"] + result["calibration"]))
     print(f"results: {a.out / 'parity.json'}" + (f"; plot: {picture}" if picture else " (no matplotlib: no plot)"))
     return result
 
