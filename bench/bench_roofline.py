@@ -3,6 +3,8 @@ memory bandwidth and matrix rate, and what they take.
 
     python bench/bench_roofline.py                                   # the tiny model, 32 rows
     python bench/bench_roofline.py --model smollm2-135m --rows 32    # SmolLM2-135M (~1 min on 2 cores)
+    python bench/bench_roofline.py --model smollm2-135m --dtype bfloat16 --attention sdpa magrpo_sdpa --pairs 3
+                                     # before / after magrpo/attention.py, alternating in one process
 
 The machine, measured here first (best of several repeats, torch's own threads):
 * bandwidth: a copy of a 256 MB tensor (read + write = 2 x 256 MB moved);
@@ -156,6 +158,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt", type=int, default=128, help="prompt tokens (decode: the context at the start)")
     parser.add_argument("--tokens", type=int, default=32, help="completion tokens (update)")
     parser.add_argument("--steps", type=int, nargs=2, default=(4, 20), help="decode steps of the short and long run")
+    parser.add_argument("--attention", nargs="+", help="attention implementations to time the decode step with, "
+                        "in turn (sdpa: transformers' own; magrpo_sdpa: magrpo/attention.py, what magrpo loads)")
+    parser.add_argument("--pairs", type=int, default=1, help="rounds of the --attention implementations in turn")
     args = parser.parse_args(argv)
 
     from magrpo.cli import compose
@@ -173,9 +178,15 @@ def main(argv: list[str] | None = None) -> None:
     context = args.prompt + sum(args.steps) // 2
     dtype_bytes = torch.empty(0, dtype=dtype).element_size()
     rows = []
+    base = agents[0].model.get_base_model()
+    loaded = base.config._attn_implementation
     with torch.no_grad():
-        decode_s = measure_decode(agents, args.rows, args.prompt, tuple(args.steps))
-    rows.append(("decode step", *decode_cost(s, c, args.rows, context, dtype_bytes), decode_s))
+        for _ in range(args.pairs):  # in turn, so a drift of the machine's load hits each alike
+            for impl in args.attention or [loaded]:
+                base.set_attn_implementation(impl)
+                decode_s = measure_decode(agents, args.rows, args.prompt, tuple(args.steps))
+                rows.append((f"decode, {impl}", *decode_cost(s, c, args.rows, context, dtype_bytes), decode_s))
+    base.set_attn_implementation(loaded)
     update_s = measure_update(agents, args.rows, args.prompt, args.tokens)
     rows.append(("update pass", *update_cost(s, c, args.rows, args.prompt, args.tokens), update_s))
 
@@ -183,11 +194,11 @@ def main(argv: list[str] | None = None) -> None:
           f"{args.dtype} matmul {box['matmul'] / 1e9:.1f} GFLOP/s")
     print(f"model: {args.model} ({c['weight_bytes'] / 1e6:.1f} MB of weights, {c['linear'] / 1e6:.2f}M matmul "
           f"parameters), {args.rows} rows, prompt {args.prompt}, {args.dtype}")
-    print(f"{'':12} {'MB moved':>9} {'GFLOP':>8} {'bw bound ms':>11} {'flop bound ms':>13} {'measured ms':>11} "
+    print(f"{'':20} {'MB moved':>9} {'GFLOP':>8} {'bw bound ms':>11} {'flop bound ms':>13} {'measured ms':>11} "
           f"{'roofline share':>14}")
     for name, moved, flops, seconds in rows:
         by_bytes, by_flops = moved / box["bandwidth"], flops / box["matmul"]
-        print(f"{name:12} {moved / 1e6:9.1f} {flops / 1e9:8.2f} {by_bytes * 1e3:11.2f} {by_flops * 1e3:13.2f} "
+        print(f"{name:20} {moved / 1e6:9.1f} {flops / 1e9:8.2f} {by_bytes * 1e3:11.2f} {by_flops * 1e3:13.2f} "
               f"{seconds * 1e3:11.2f} {max(by_bytes, by_flops) / seconds:13.1%}")
 
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Iterator
 
 import torch
 
-from . import hub
+from . import attention, hub
 from .console import quiet_progress_bars
 from .errors import ConfigError, FetchError
 
@@ -427,4 +427,5 @@ def _load_model(cfg: TrainConfig, name: str, key: str, path: str, dtype: torch.d
         raise ConfigError(key, f"cannot load {name!r}: {first}") from None
     if tok.pad_token is None:  # completions are cut at EOS from token ids, so pad == eos is safe
         tok.pad_token = tok.eos_token
+    attention.use_on(model)  # bfloat16 decode attention on a CPU at float32's speed (magrpo/attention.py)
     return model.to(device), tok, path

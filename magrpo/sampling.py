@@ -55,7 +55,7 @@ def stream_uniforms(keys: torch.Tensor, counter: int | torch.Tensor) -> torch.Te
 def sampling_logprobs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
     """(R, V) logits -> (R, V) log-probs of the distribution actually sampled (temperature, then
     top-k, then top-p; filtered tokens get -inf)."""
-    scores = logits.float() / temperature
+    scores = logits.float() if temperature == 1.0 else logits.float() / temperature  # x / 1.0 is x: skip a pass
     if 0 < top_k < scores.shape[-1]:
         kth = torch.topk(scores, top_k, dim=-1).values[:, -1:]
         scores = scores.masked_fill(scores < kth, float("-inf"))

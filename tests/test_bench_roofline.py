@@ -21,8 +21,10 @@ def test_the_costs_are_the_documented_sums():
 
 
 def test_the_script_prints_its_table_for_the_tiny_model(capsys):
-    load_bench("bench_roofline").main(["--rows", "4", "--prompt", "16", "--tokens", "4", "--steps", "2", "4"])
+    load_bench("bench_roofline").main(["--rows", "4", "--prompt", "16", "--tokens", "4", "--steps", "2", "4",
+                                       "--attention", "sdpa", "magrpo_sdpa"])
     out = capsys.readouterr().out
     assert "copy bandwidth" in out and "matmul" in out
-    rows = [line.split() for line in out.splitlines() if line.startswith(("decode step", "update pass"))]
-    assert len(rows) == 2 and all(row[-1].endswith("%") for row in rows)
+    rows = [line.split() for line in out.splitlines() if line.startswith(("decode, ", "update pass"))]
+    assert [row[1] for row in rows] == ["sdpa", "magrpo_sdpa", "pass"]  # each implementation in turn, then the update
+    assert all(row[-1].endswith("%") for row in rows)

@@ -312,8 +312,9 @@ def decode(
     states = {} if keep_states else None
     with (routing or RowAdapters(model)).active() as routing:
         positions = (attention.cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1] :]  # after a kept state: from it on
-        out = model(input_ids=ids, attention_mask=attention, position_ids=positions,
-                    use_cache=True, logits_to_keep=1, **prior, **routing.rows(adapters))
+        with contiguous_head_input(model):
+            out = model(input_ids=ids, attention_mask=attention, position_ids=positions,
+                        use_cache=True, logits_to_keep=1, **prior, **routing.rows(adapters))
         cache = out[cache_key]
         cache.batch_select_indices(expand)
         logits = out.logits[expand, -1]
@@ -350,6 +351,23 @@ def decode(
                         use_cache=True, **{cache_key: cache}, **route)
             cache, logits, positions = out[cache_key], out.logits[:, -1], positions + 1
     return Decoded(new.cpu(), new_logprobs.cpu() if new_logprobs is not None else None, states)
+
+
+@contextmanager
+def contiguous_head_input(model: torch.nn.Module) -> Iterator[None]:
+    """The prefill keeps the last position's logits only: a strided [prompts, 1, hidden] slice, for which
+    torch's matmul copies the output head's weight once per prompt (a batched product over an expanded
+    weight: 8 copies of SmolLM2's 49152 x 576 head for 8 prompts). A contiguous input is one matrix
+    product instead: 2.6 s less per 8-prompt prefill in float32 on a loaded 2-core machine."""
+    head = model.get_output_embeddings()
+    if head is None:
+        yield
+        return
+    handle = head.register_forward_pre_hook(lambda module, args: (args[0].contiguous(), *args[1:]))
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def row_states(cache, batch_rows: torch.Tensor, alive: torch.Tensor, attention: torch.Tensor, new: torch.Tensor,

@@ -1,0 +1,86 @@
+"""magrpo/attention.py: a decode step's attention in bfloat16 on a CPU computed as grouped matmuls gives
+what transformers' SDPA gives, within bfloat16's own error, with grouped-query heads, padding masks and
+a model's scaling; every other call is SDPA's, bit for bit; loaded models use it and saved ones do not
+name it."""
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from magrpo import attention
+
+
+def inputs(heads: int, kv_heads: int, keys: int, dtype: torch.dtype, positions: int = 1, rows: int = 6):
+    g = torch.Generator().manual_seed(heads * 100 + keys)
+    q = torch.randn(rows, heads, positions, 64, generator=g).to(dtype)
+    k = torch.randn(rows, kv_heads, keys, 64, generator=g).to(dtype)
+    v = torch.randn(rows, kv_heads, keys, 64, generator=g).to(dtype)
+    mask = torch.ones(rows, 1, positions, keys, dtype=torch.bool)
+    for row in range(rows):  # left padding of different widths, as in a decode batch
+        mask[row, :, :, : row * 3] = False
+    return q, k, v, mask
+
+
+def module(heads: int, kv_heads: int):
+    return SimpleNamespace(num_key_value_groups=heads // kv_heads, is_causal=True, training=False)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4), (8, 1)])
+@pytest.mark.parametrize("masked", [True, False])
+def test_a_bfloat16_decode_step_matches_float32_attention_as_closely_as_sdpa_does(heads, kv_heads, masked):
+    q, k, v, mask = inputs(heads, kv_heads, 40, torch.bfloat16)
+    mask = mask if masked else None
+    m = module(heads, kv_heads)
+    ours, none = attention.attention(m, q, k, v, mask, scaling=0.125)
+    theirs, _ = sdpa_attention_forward(m, q, k, v, mask, scaling=0.125)
+    exact, _ = sdpa_attention_forward(m, q.float(), k.float(), v.float(), mask, scaling=0.125)
+    assert none is None and ours.shape == theirs.shape == (6, 1, heads, 64) and ours.dtype == torch.bfloat16
+    ours_err, sdpa_err = (ours.float() - exact).abs(), (theirs.float() - exact).abs()
+    # bfloat16 keeps 8 bits: both are within a few of its steps of the exact value
+    assert ours_err.max() < 2e-2 and ours_err.mean() < 2 * sdpa_err.mean() + 1e-4
+
+
+def test_the_scaling_and_a_float_mask_are_applied():
+    q, k, v, mask = inputs(9, 3, 40, torch.bfloat16)
+    additive = torch.zeros(mask.shape).masked_fill(~mask, float("-inf")).to(torch.bfloat16)
+    m = module(9, 3)
+    ours, _ = attention.attention(m, q, k, v, additive, scaling=0.3)
+    exact, _ = sdpa_attention_forward(m, q.float(), k.float(), v.float(), mask, scaling=0.3)
+    assert (ours.float() - exact).abs().max() < 2e-2
+    unscaled, _ = attention.attention(m, q, k, v, mask)  # None: 1 / sqrt(head dim), as SDPA
+    exact, _ = sdpa_attention_forward(m, q.float(), k.float(), v.float(), mask)
+    assert (unscaled.float() - exact).abs().max() < 2e-2
+
+
+@pytest.mark.parametrize("dtype,positions", [(torch.float32, 1), (torch.bfloat16, 5)])
+def test_every_other_call_is_sdpa_bit_for_bit(dtype, positions):
+    q, k, v, mask = inputs(9, 3, 40, dtype, positions=positions)
+    m = module(9, 3)
+    ours, _ = attention.attention(m, q, k, v, mask, scaling=0.125)
+    theirs, _ = sdpa_attention_forward(m, q, k, v, mask, scaling=0.125)
+    assert torch.equal(ours, theirs)
+
+
+def test_a_loaded_model_uses_it_and_a_saved_one_does_not_name_it(make_cfg, tmp_path):
+    from magrpo.models import cache_keyword, load_agents
+
+    cfg = make_cfg("model.dtype=bfloat16", "agents=[{finetune: full}]")
+    (agent,) = load_agents(cfg, 1)
+    assert agent.model.config._attn_implementation == attention.NAME
+    ids, key = torch.tensor([[5, 6, 7, 8, 9]]), cache_keyword(agent.model)
+
+    def step() -> torch.Tensor:  # a prefill, then one decode step through the cache
+        first = agent.model(input_ids=ids[:, :4], use_cache=True)
+        return agent.model(input_ids=ids[:, 4:], **{key: first[key]}).logits
+
+    with torch.no_grad():
+        ours = step()
+        agent.model.set_attn_implementation("sdpa")
+        theirs = step()
+    assert (ours.float() - theirs.float()).abs().max() < 0.1 * theirs.float().abs().max()
+    agent.model.save_pretrained(tmp_path / "saved")
+    assert attention.NAME not in json.dumps(json.loads((tmp_path / "saved" / "config.json").read_text()))
