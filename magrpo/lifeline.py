@@ -5,27 +5,37 @@ whatever the process does (`setsid`, a double fork, ignoring SIGTERM): issue 44.
 `python -I -S lifeline.py TRAINER_PID GRACE -- ARGV...` (stdlib only, no site-packages: a quick start;
 on Python 3.10 `-I` still puts this folder first on sys.path, and no module here has a stdlib name).
 The supervisor
-1. makes itself a child subreaper: a descendant whose parent exits (a `setsid` daemon, a double fork)
-   is re-parented to it instead of to init, so every descendant stays in its tree, where it finds them;
-2. watches the trainer through a pidfd, which becomes readable when the trainer's process exits, even
+1. watches the trainer through a pidfd, which becomes readable when the trainer's process exits, even
    by SIGKILL, when no code of the trainer's runs;
+2. where the machine allows it (CAP_SYS_ADMIN: root), forks the init (PID 1) of a new PID namespace, with
+   a /proc of its own, and that init runs the rest. When the init dies, by any signal, the kernel kills
+   every process in the namespace (no fork succeeds meanwhile); no process inside can SIGKILL or SIGSTOP
+   it, or see the supervisor outside, which kills it when the trainer dies and passes SIGTERM and SIGHUP
+   on; the init dies with the supervisor (its parent-death signal). Elsewhere (an unprivileged user)
+   the supervisor makes itself a child subreaper instead: a descendant whose parent exits (a `setsid`
+   daemon, a double fork) is re-parented to it instead of to init, so it stays in its tree, found by /proc;
 3. starts ARGV with its own stdin, stdout, stderr and passed fds (the caller's pipes), then lets go of
-   them, so the caller still sees EOF when the program exits;
+   them, so the caller still sees EOF when the program exits; reaps every orphan as it ends;
 4. when the program exits, the trainer dies, or GRACE seconds after a SIGTERM (passed on to the
-   program), SIGKILLs every descendant, reaps them, and exits with the program's status.
+   program), SIGKILLs the program and ends (the namespace: the kernel kills and reaps the rest before
+   the caller sees the exit) or SIGKILLs every descendant and reaps them (the subreaper), and exits with
+   the program's status.
 
 `watch(pids)` covers children a library starts itself (vLLM's engine core), where no argv of ours
-runs: a small watcher ends them (SIGTERM, then SIGKILL) when the trainer dies.
+runs: a small watcher ends them (SIGTERM, then SIGKILL) when the trainer dies. They stay in the
+trainer's PID namespace.
 
 Why not less: PR_SET_PDEATHSIG covers one process (a fork or `setsid` below it escapes, and it fires
-when the spawning *thread* ends); a process group or session is left by `setsid`; a PID namespace
-needs privileges. A subreaper works as root and as any user. The program runs with no_new_privs, so no
-descendant changes its uid through a setuid program (one that had refused our SIGKILL). Limits, and why
-no fix here (docs/tools.md, "Sessions"): a SIGKILL of the supervisor itself ends the program (its
-parent-death signal) but not the daemons it started, and a SIGSTOP of it leaves them all (it never
-sees the trainer die); and a process that forks and exits in a loop is chased by the /proc scan until
-caught, so it escapes when the supervisor dies first. Only the kernel holding the tree (a PID namespace
-whose init is the supervisor, or a cgroup) closes these.
+when the spawning *thread* ends); a process group or session is left by `setsid`. The program runs with
+no_new_privs, so no descendant changes its uid through a setuid program (one that had refused our
+SIGKILL). In a namespace the program sees its own pids (the supervisor's init is 1, itself 2) and only
+its own processes in /proc; its mounts stay in its own mount namespace. Limits (docs/tools.md,
+"Sessions"): an unprivileged supervisor makes no namespace (a user namespace would show other users'
+files and the user's other groups as 65534), so there a SIGKILL of the supervisor itself (by a process
+of the same user) ends the program (its parent-death signal) but not the daemons it started, a SIGSTOP
+of it leaves them all, and a process that forks and exits in a loop is chased by the /proc scan until
+caught, so it escapes when the supervisor dies first. As root, code that sets out to leave (setns into
+another namespace with CAP_SYS_ADMIN) can.
 """
 from __future__ import annotations
 
@@ -37,6 +47,10 @@ import sys
 import time
 
 PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 36, 38  # <linux/prctl.h>
+CLONE_NEWNS, CLONE_NEWPID = 0x20000, 0x20000000  # <sched.h>
+MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_SLAVE = 0x2, 0x4, 0x8, 0x4000, 0x80000  # <sys/mount.h>
+# SIGINT is not passed on: a terminal sends it to the whole foreground group, the program too.
+PASSED_ON = (signal.SIGTERM, signal.SIGHUP)
 KILL_GIVE_UP_S = 5.0  # descendants that all refuse SIGKILL (another uid) are left after this long
 
 
@@ -146,7 +160,8 @@ def pidfd_of_parent(trainer: int) -> int | None:
 def spawn(libc, argv: list[str]) -> tuple[int, str]:
     """Fork and exec `argv`: (its pid, '') or (0, why it could not start). The program gets SIGKILL when
     the supervisor dies (PR_SET_PDEATHSIG; one thread here, so it means the process): a SIGKILL of the
-    supervisor itself (`subprocess.run`'s timeout) then still ends the program, if not its daemons.
+    supervisor itself (`subprocess.run`'s timeout) then still ends the program (its daemons too only in
+    a namespace, whose init is the caller here).
     A fork here is cheap: this process holds no model."""
     error_r, error_w = os.pipe()  # close-on-exec: EOF at a successful exec, else the error
     supervisor = os.getpid()
@@ -174,52 +189,132 @@ def spawn(libc, argv: list[str]) -> tuple[int, str]:
     return pid, ""
 
 
-def supervise(trainer: int, grace_s: float | None, argv: list[str]) -> int:
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
-        print(f"lifeline: prctl(PR_SET_CHILD_SUBREAPER): {os.strerror(ctypes.get_errno())}", file=sys.stderr)
-        return 127
-    trainer_fd = pidfd_of_parent(trainer)
-    if trainer_fd is None:
-        return 137
-    # Signals wake the select below; a Python handler (not SIG_IGN) is reset to the default in the program.
+def pid_namespace(libc) -> int | None:
+    """Fork into a new PID namespace whose init (PID 1) is the child, where the machine allows one
+    (CAP_SYS_ADMIN: root): the child's pid in the parent, 0 in the child; None where there is none.
+    Its init's death has the kernel kill every process in it (no fork succeeds meanwhile), and no process
+    in it can SIGKILL or SIGSTOP its init nor see the parent: the tree no longer depends on a scan."""
+    if libc.unshare(CLONE_NEWPID) != 0:
+        return None
+    parent = os.pidfd_open(os.getpid())
+    init = os.fork()
+    if init:
+        os.close(parent)
+        return init
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # a SIGKILL of the parent ends the namespace
+    if select.select([parent], [], [], 0)[0]:  # it died before the prctl (our getppid() says 0 either way)
+        os._exit(137)
+    os.close(parent)
+    # The program's pids are this namespace's, so its /proc must be too (psutil, /proc/<getpid()>): one
+    # of its own, in a mount namespace of its own that passes no mount back to the host (slave).
+    if (libc.unshare(CLONE_NEWNS) or libc.mount(None, b"/", None, MS_REC | MS_SLAVE, None)
+            or libc.mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)):
+        print(f"lifeline: no /proc of the PID namespace ({os.strerror(ctypes.get_errno())}): the program sees "
+              f"the host's", file=sys.stderr)
+    return 0
+
+
+def on_signals() -> tuple[int, int]:
+    """A pipe that each SIGTERM, SIGHUP, SIGINT and SIGCHLD writes its number to, to wake a select; its
+    ends. A Python handler (not SIG_IGN) is reset to the default in a program exec'd later."""
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
-    signal.set_wakeup_fd(wake_w)
-    for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+    signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)  # a full pipe wakes the select all the same
+    for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT, signal.SIGCHLD):
         signal.signal(signum, lambda *_: None)
-    pid, error = spawn(libc, argv)
-    if error:
-        print(error, file=sys.stderr)
-        return 127
-    program_fd = os.pidfd_open(pid)
-    # The caller's pipes and passed fds are the program's alone now: EOF as soon as it exits.
+    return wake_r, wake_w
+
+
+def reap(program: int) -> int | None:
+    """Reap every child that has ended, orphans re-parented here included (their zombies, kept until the
+    end, once filled the pid table under a fork chain); the program's wait status if it was one of them."""
+    status = None
+    try:
+        while (reaped := os.waitpid(-1, os.WNOHANG))[0]:
+            if reaped[0] == program:
+                status = reaped[1]
+    except ChildProcessError:
+        pass
+    return status
+
+
+def let_go(keep: tuple[int, ...]) -> None:
+    """Close every fd but `keep`, and 0-2 onto /dev/null: the caller's pipes and passed fds are the
+    program's alone now, so the caller sees EOF as soon as it exits."""
     null = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):
         os.dup2(null, fd)
     for fd in map(int, os.listdir("/proc/self/fd")):
-        if fd > 2 and fd not in (trainer_fd, program_fd, wake_r, wake_w):
+        if fd > 2 and fd not in keep:
             try:
                 os.close(fd)
             except OSError:  # the listing's own fd, closed already
                 pass
-    deadline = None
+
+
+def exit_code(status: int) -> int:
+    code = os.waitstatus_to_exitcode(status)
+    return code if code >= 0 else 128 - code
+
+
+def outside(init: int, trainer_fd: int, wake: tuple[int, int]) -> int:
+    """The parent of a namespace's init: passes SIGTERM and SIGHUP on to it, SIGKILLs it when the
+    trainer dies (whatever has stopped it: nothing inside can see this process), and exits with its status."""
+    init_fd = os.pidfd_open(init)
+    let_go((trainer_fd, init_fd, *wake))
     while True:
-        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-        ready = select.select([trainer_fd, program_fd, wake_r], [], [], timeout)[0]
-        if trainer_fd in ready or program_fd in ready or (deadline is not None and time.monotonic() >= deadline):
+        ready = select.select([trainer_fd, init_fd, wake[0]], [], [])[0]
+        if init_fd in ready:
             break
-        for signum in os.read(wake_r, 64) if wake_r in ready else b"":
-            # SIGINT is not passed on: a terminal sends it to the whole foreground group, the program too.
-            if signum != signal.SIGINT:
+        if trainer_fd in ready:
+            signal.pidfd_send_signal(init_fd, signal.SIGKILL)
+            break
+        for signum in os.read(wake[0], 4096):
+            if signum in PASSED_ON:
+                signal.pidfd_send_signal(init_fd, signum)
+    return exit_code(os.waitpid(init, 0)[1])
+
+
+def supervise(trainer: int, grace_s: float | None, argv: list[str]) -> int:
+    libc = ctypes.CDLL(None, use_errno=True)
+    trainer_fd = pidfd_of_parent(trainer)
+    if trainer_fd is None:
+        return 137
+    wake = on_signals()
+    init = pid_namespace(libc)
+    if init:
+        return outside(init, trainer_fd, wake)
+    if init == 0:  # the namespace's init: a pipe of its own (the parent's is inherited, and read there)
+        wake = on_signals()
+    elif libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        print(f"lifeline: prctl(PR_SET_CHILD_SUBREAPER): {os.strerror(ctypes.get_errno())}", file=sys.stderr)
+        return 127
+    pid, error = spawn(libc, argv)
+    if error:
+        print(error, file=sys.stderr)
+        return 127
+    let_go((trainer_fd, *wake))
+    deadline, status = None, None
+    while status is None:
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        ready = select.select([trainer_fd, wake[0]], [], [], timeout)[0]
+        if trainer_fd in ready or (deadline is not None and time.monotonic() >= deadline):
+            break
+        for signum in os.read(wake[0], 4096) if wake[0] in ready else b"":
+            if signum in PASSED_ON:
                 os.kill(pid, signum)
                 if grace_s is not None and deadline is None:
                     deadline = time.monotonic() + grace_s
-    status = kill_all().get(pid)
+        status = reap(pid)
+    if init == 0:  # our exit has the kernel kill and reap the rest of the namespace before the parent sees it
+        if status is None:
+            os.kill(pid, signal.SIGKILL)
+            status = os.waitpid(pid, 0)[1]
+    else:
+        status = kill_all().get(pid, status)
     if status is None:  # reaped by no one: cannot happen, but never report success for it
         return 137
-    code = os.waitstatus_to_exitcode(status)
-    return code if code >= 0 else 128 - code
+    return exit_code(status)
 
 
 def watch_main(trainer: int, grace_s: float, fds: list[int]) -> int:

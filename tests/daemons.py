@@ -3,7 +3,7 @@ with the trainer (tests/test_lifeline.py, the MCP test server's `daemon` tool). 
 unprivileged run starts it under the system's Python.
 
 `python tests/daemons.py [EXIT_CODE [SLEEP_S]]` starts one daemon of each kind, prints their pids (one a
-line), sleeps SLEEP_S seconds, then exits with EXIT_CODE.
+line), sleeps SLEEP_S seconds (`stdin`: until a line or EOF on its stdin), then exits with EXIT_CODE.
 """
 from __future__ import annotations
 
@@ -74,6 +74,35 @@ def survivors(pids, seconds: float) -> list[int]:
     return left
 
 
+def said_pid(pid: int) -> int | None:
+    """What `os.getpid()` says in process `pid` (its own PID namespace's pid; the same where it has
+    none), from the last field of NSpid in its /proc status; None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(line.split()[-1]) for line in f if line.startswith("NSpid:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+def host_pids(root: int, pids) -> list[int]:
+    """`pids` as processes below `root` said them (their `os.getpid()`: a supervised program's is its PID
+    namespace's, where magrpo/lifeline.py made one) as this process sees them. They must all name live
+    processes of one namespace below `root`, and only one namespace may hold them all (two supervised
+    programs below `root` each have their own pid 2), else AssertionError."""
+    from magrpo.lifeline import descendants
+
+    spaces: dict[str, dict[int, int]] = {}  # namespace -> said pid -> our pid
+    for pid in descendants(root):
+        try:
+            if alive(pid):
+                spaces.setdefault(os.readlink(f"/proc/{pid}/ns/pid"), {})[said_pid(pid)] = pid
+        except OSError:  # gone meanwhile
+            continue
+    found = [space for space in spaces.values() if all(pid in space for pid in pids)]
+    assert len(found) == 1, f"{len(found)} PID namespaces below {root} hold processes that say {pids}"
+    return [found[0][pid] for pid in pids]
+
+
 def after_sigkill(trainer: subprocess.Popen, pids, seconds: float = 5) -> list[int]:
     """SIGKILL the trainer (no code of its runs), then `survivors(pids, seconds)`."""
     trainer.kill()
@@ -84,5 +113,8 @@ def after_sigkill(trainer: subprocess.Popen, pids, seconds: float = 5) -> list[i
 if __name__ == "__main__":
     for kind in KINDS:
         print(start(kind), flush=True)
-    time.sleep(float(sys.argv[2]) if len(sys.argv) > 2 else 0)
+    if sys.argv[2:3] == ["stdin"]:
+        sys.stdin.readline()
+    else:
+        time.sleep(float(sys.argv[2]) if len(sys.argv) > 2 else 0)
     sys.exit(int(sys.argv[1]) if len(sys.argv) > 1 else 0)

@@ -1,8 +1,8 @@
 """The hostile corpus: programs written against the sandbox's design, each the right answer only if its
 attack worked (or a wrong one where the attack itself is the point: forging, escaping, flooding). Every
-route an audit found stays here as a regression case. stdlib only: the unprivileged run in
-test_sandbox.py runs this file directly (`python hostile.py FOLDER`) under the system's Python as
-`nobody`, where the trainer's venv is out of reach; it prints the violations as JSON.
+route an audit found stays here as a regression case. The unprivileged run in test_sandbox.py runs it
+as `nobody` (`python -m tests.hostile FOLDER`, through tests/nobody.py: the venv's own Python and the
+checkout); it prints the violations as JSON.
 """
 from __future__ import annotations
 
@@ -15,12 +15,8 @@ import sys
 import time
 from pathlib import Path
 
-try:
-    from magrpo.envs.code import isolation
-    from magrpo.envs.code.sandbox import Program, SandboxLimits, run_many, run_program
-except ImportError:  # the unprivileged run: envs/code copied beside this file, magrpo absent
-    from envs.code import isolation
-    from envs.code.sandbox import Program, SandboxLimits, run_many, run_program
+from magrpo.envs.code import isolation
+from magrpo.envs.code.sandbox import Program, SandboxLimits, run_many, run_program
 
 FAST = SandboxLimits(timeout_s=2.0, cpu_s=2, memory_mb=512, max_processes=32, output_bytes=10_000)
 CASES = ["assert candidate(1) == 2", "assert candidate(2) == 3"]
@@ -380,6 +376,7 @@ def run_corpus(mode: str, target: Path, checkout: Path) -> list[str]:
     return problems
 
 
-if __name__ == "__main__":  # python hostile.py FOLDER [MODE]: the unprivileged run (see test_sandbox.py)
-    folder = Path(sys.argv[1])
-    print(json.dumps(run_corpus(sys.argv[2] if len(sys.argv) > 2 else "bwrap", folder / "escaped.txt", folder)))
+if __name__ == "__main__":  # python -m tests.hostile FOLDER [MODE]: the run as `nobody` (see test_sandbox.py)
+    checkout = Path(__file__).resolve().parent.parent
+    print(json.dumps(run_corpus(sys.argv[2] if len(sys.argv) > 2 else "bwrap", Path(sys.argv[1]) / "escaped.txt",
+                                checkout)))

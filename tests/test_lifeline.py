@@ -1,21 +1,26 @@
 """magrpo/lifeline.py: a program run under the supervisor, and every daemon it starts (`setsid`, a double
 fork, ignoring SIGTERM: tests/daemons.py), ends when the program exits, when the trainer is killed with
-SIGKILL (as root and as an unprivileged user), and a grace after a SIGTERM. Each test looks only at the
-processes it started (their pids), so none runs `alone`."""
+SIGKILL (as root and as an unprivileged user), and a grace after a SIGTERM; where the supervisor makes a
+PID namespace (root), also when the program SIGKILLs or SIGSTOPs its supervisor, or the supervisor is
+killed while a fork chain runs. Each test looks only at the processes it started (their pids: a
+supervised program's own, translated by tests/daemons.py's `host_pids`), so none runs `alone`."""
 from __future__ import annotations
 
+import functools
 import os
+import select
 import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from magrpo import lifeline, pinned
 from tests import nobody
-from tests.daemons import after_sigkill, alive, survivors
+from tests.daemons import after_sigkill, alive, host_pids, survivors
 
 ROOT = Path(__file__).resolve().parent.parent
 DAEMONS = str(ROOT / "tests" / "daemons.py")
@@ -35,11 +40,13 @@ time.sleep(3600)
 
 
 def test_the_programs_daemons_die_when_it_exits_and_its_status_comes_back():
-    done = subprocess.run(lifeline.command([sys.executable, DAEMONS, "3"]), capture_output=True, text=True,
-                          timeout=60)
-    pids = [int(line) for line in done.stdout.split()]
+    proc = subprocess.Popen(lifeline.command([sys.executable, DAEMONS, "3", "stdin"]), stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    pids = host_pids(proc.pid, [int(proc.stdout.readline()) for _ in range(2)])
+    assert all(alive(p) for p in pids)
+    proc.stdin.close()  # the program exits
+    assert proc.wait(timeout=60) == 3
     assert survivors(pids, 0) == []  # reaped before the supervisor exited
-    assert len(pids) == 2 and done.returncode == 3
 
 
 @pytest.mark.parametrize("user", ["own", "nobody"])
@@ -52,7 +59,8 @@ def test_everything_dies_with_a_trainer_killed_by_sigkill(user):
     trainer = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
     pids: list[int] = []
     try:
-        pids += [int(trainer.stdout.readline()) for _ in range(3)]  # two daemons, then the supervisor
+        *said, supervisor = [int(trainer.stdout.readline()) for _ in range(3)]  # two daemons, the supervisor
+        pids += [*host_pids(trainer.pid, said), supervisor]
         assert all(alive(p) for p in pids)
     finally:
         left = after_sigkill(trainer, pids)
@@ -112,7 +120,7 @@ def test_a_setuid_program_under_an_unprivileged_trainer_gets_no_root_and_dies_wi
         said = trainer.stdout.readline().split()
         assert len(said) == 2, "the program did not start (the supervisor's error went to the test's stderr)"
         pid, uid = map(int, said)
-        pids.append(pid)
+        pids += host_pids(trainer.pid, [pid])
         assert uid == nobody.NOBODY
     finally:
         left = after_sigkill(trainer, pids)
@@ -146,8 +154,166 @@ def test_a_program_that_cannot_start_says_why_and_one_whose_supervisor_is_killed
     # subprocess.run's timeout kills the supervisor with SIGKILL: the program must not run on
     proc = subprocess.Popen(lifeline.command([sys.executable, "-c", "import os, time; print(os.getpid(), "
                                               "flush=True); time.sleep(60)"]), stdout=subprocess.PIPE)
-    pid = int(proc.stdout.readline())
-    assert after_sigkill(proc, [pid]) == []
+    pids = host_pids(proc.pid, [int(proc.stdout.readline())])
+    assert after_sigkill(proc, pids) == []
+
+
+# A trainer that runs a program under a supervisor, passes on the supervisor's pid and the program's
+# line, then, on a line from the test, has the program act and passes its next line on; then waits.
+ATTACKED = """
+import subprocess, sys, time
+sys.path.insert(0, sys.argv[1])
+import lifeline
+child = subprocess.Popen(lifeline.command([sys.executable, "-c", *sys.argv[2:]]), stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+print(child.pid, child.stdout.readline().strip(), flush=True)
+sys.stdin.readline()
+child.stdin.write("go\\n")
+child.stdin.flush()
+print(child.stdout.readline().strip(), flush=True)  # an empty line where the program is gone
+time.sleep(3600)
+"""
+# The program: says its pid and those of a daemon of each kind (tests/daemons.py), then sends its
+# parent (the supervisor, as it sees it) SIGNAL, and exits or stays.
+ATTACKER = """
+import os, signal, sys, time
+sys.path.insert(0, sys.argv[1])
+import daemons
+print(os.getpid(), *map(daemons.start, daemons.KINDS), flush=True)
+sys.stdin.readline()
+os.kill(os.getppid(), getattr(signal, sys.argv[2]))
+print("sent", flush=True)
+if sys.argv[3] == "stay":
+    time.sleep(3600)
+"""
+# Whether this user may make a PID namespace (what lifeline.py tries): 0, else -1
+PROBE = "import ctypes; print(ctypes.CDLL(None).unshare(0x20000000))"
+
+
+@functools.lru_cache(maxsize=None)
+def no_namespace(user: str) -> str | None:
+    """Why a supervisor started by `user` (own, nobody) can make no PID namespace here, or None."""
+    argv = [sys.executable, "-c", PROBE]
+    if user == "nobody":
+        if reason := nobody.unavailable():
+            return reason
+        argv = nobody.command(argv, [])
+    if subprocess.run(argv, capture_output=True, text=True, timeout=120).stdout.strip() != "0":
+        return (f"{user} (uid {os.geteuid() if user == 'own' else nobody.NOBODY}) may not unshare(CLONE_NEWPID) "
+                f"here, and lifeline.py makes no user namespace for one (docs/tools.md, Sessions)")
+    return None
+
+
+@pytest.mark.parametrize("user", ["own", "nobody"])
+@pytest.mark.parametrize("then", ["exit", "stay"])
+@pytest.mark.parametrize("attack", ["SIGKILL", "SIGSTOP"])
+def test_a_program_that_kills_or_stops_its_supervisor_still_ends_and_its_daemons_with_it(attack, then, user):
+    """Issue 44: a program (or a tool's code, run as the server's user) that SIGKILLed its supervisor ended
+    itself (its parent-death signal) but left its daemons to init; one that SIGSTOPped it left them all
+    running when it exited or the trainer died. The supervisor now is the init of a PID namespace, which
+    no process inside can SIGKILL or SIGSTOP: everything ends when the program exits (`exit`), or when
+    the trainer is killed with SIGKILL (`stay`)."""
+    if reason := no_namespace(user):
+        pytest.skip(reason)
+    argv = [sys.executable, "-c", ATTACKED, str(ROOT / "magrpo"), ATTACKER, str(ROOT / "tests"), attack, then]
+    if user == "nobody":
+        argv = nobody.command(argv, [str(ROOT)])
+    trainer = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    pids: list[int] = []
+    try:
+        supervisor, *said = map(int, trainer.stdout.readline().split())
+        pids += [supervisor, *host_pids(trainer.pid, said)]  # the supervisor, the program, two daemons
+        assert len(pids) == 4 and all(alive(p) for p in pids)
+        trainer.stdin.write("\n")
+        trainer.stdin.flush()
+        trainer.stdout.readline()  # "sent" (or nothing: the supervisor's death took the program along)
+        if then == "stay":
+            trainer.kill()
+        left = survivors(pids, 5)
+    finally:
+        after_sigkill(trainer, pids, 0)  # a failed run's leftovers, and the trainer
+    assert left == []
+
+
+# A program that starts two chains that fork and exit in a loop (a new pid every few ms: faster than a
+# scan of /proc finds them), each in a session of its own (out of reach of a kill of the supervisor's
+# group) and writing its pid on the supervisor's stdout at each step; says it started; waits.
+CHAINS = """
+import os, time
+for _ in range(2):
+    if os.fork() == 0:
+        os.setsid()
+        while True:
+            print(os.getpid(), flush=True)
+            time.sleep(0.005)
+            if os.fork():
+                os._exit(0)
+print("started", flush=True)
+time.sleep(3600)
+"""
+
+
+def writers_after(fd: int, seconds: float) -> list[int]:
+    """Reads `fd` until EOF (no writer left: []) or `seconds` pass; then the pids written next."""
+    until = time.monotonic() + seconds
+    while time.monotonic() < until:
+        if select.select([fd], [], [], 0.1)[0] and not os.read(fd, 1 << 16):
+            return []
+    time.sleep(0.2)
+    return sorted({int(line) for line in os.read(fd, 1 << 16).split(b"\n")[1:-1]})  # whole lines only
+
+
+def test_fork_chains_in_sessions_of_their_own_die_with_a_supervisor_killed_by_a_group_sigkill():
+    """The MCP SDK ends a close with a SIGKILL of the supervisor's process group two seconds after its
+    SIGTERM: a chain that left the group and forks and exits in a loop ran on (parent 1) when that kill
+    came before or during the supervisor's chase. The kernel kills a PID namespace with its init."""
+    if reason := no_namespace("own"):
+        pytest.skip(reason)
+    proc = subprocess.Popen(lifeline.command([sys.executable, "-c", CHAINS], grace_s=1.0), stdout=subprocess.PIPE,
+                            start_new_session=True)
+    try:
+        for line in proc.stdout:
+            if line == b"started\n":
+                break
+        else:
+            pytest.fail("the program did not start")
+        time.sleep(0.2)  # the chains run
+        proc.terminate()  # the SDK's SIGTERM, then its group kill before the grace is over
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        left = writers_after(proc.stdout.fileno(), 5)  # pids (as the chains see them) still writing
+    finally:
+        proc.stdout.close()  # a chain still running dies at its next line (EPIPE)
+    assert left == []
+
+
+# A program that leaves 20 orphans that end at once (each the child of a child that exited), then waits.
+ORPHANS = """
+import os, time
+for _ in range(20):
+    if os.fork() == 0:
+        if os.fork() == 0:
+            os._exit(0)
+        os._exit(0)
+    os.wait()
+print(flush=True)
+time.sleep(3600)
+"""
+
+
+def test_orphans_that_end_are_reaped_at_once_not_kept_as_zombies_until_the_end():
+    """The supervisor (or its namespace's init) reaped orphans only at the end: a fork chain's zombies,
+    one per step, filled the machine's pid table within minutes."""
+    proc = subprocess.Popen(lifeline.command([sys.executable, "-c", ORPHANS]), stdout=subprocess.PIPE)
+    try:
+        proc.stdout.readline()
+        deadline = time.monotonic() + 5
+        while (zombies := [p for p in lifeline.descendants(proc.pid) if not alive(p)]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert zombies == []
 
 
 class ForkChain:
@@ -235,7 +401,7 @@ def test_a_pinned_build_and_its_daemons_die_with_a_trainer_killed_by_sigkill(tmp
             line = trainer.stderr.readline()
             assert line, "the trainer ended before the build said its pids"
             if line.startswith("pid "):
-                pids.append(int(line.split()[1]))
+                pids += host_pids(trainer.pid, [int(line.split()[1])])
     finally:
         left = after_sigkill(trainer, pids)
     assert left == []

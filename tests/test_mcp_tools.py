@@ -14,7 +14,7 @@ from magrpo.config import McpServerConfig, TrainConfig
 from magrpo.errors import ConfigError
 from magrpo.tools import Tool, ToolCall, execute_calls
 from tests import nobody
-from tests.daemons import KINDS, after_sigkill, alive, survivors
+from tests.daemons import KINDS, after_sigkill, alive, host_pids, survivors
 
 # It counts the host's processes, /tmp entries or SysV objects: it runs alone (.ci/run, docs/testing.md).
 pytestmark = pytest.mark.alone
@@ -155,7 +155,7 @@ def test_a_daemon_a_tool_started_ends_with_the_server(kind):
     [tools] = opened.tools
     try:
         daemon, pid = call({t.name: t for t in tools}, ToolCall("daemon", {"kind": kind}), ToolCall("pid", {}))
-        pids = [int(daemon.text), int(pid.text)]
+        pids = host_pids(os.getpid(), [int(daemon.text), int(pid.text)])  # the server's PID namespace's, as root
         assert all(alive(p) for p in pids)
     finally:
         opened.close()
@@ -193,7 +193,7 @@ def test_a_trainer_killed_by_sigkill_mid_call_takes_its_server_and_the_daemons_a
     trainer = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, text=True)
     pids: list[int] = []
     try:
-        pids += [int(trainer.stdout.readline()) for _ in range(3)]  # the server, then its two daemons
+        pids += host_pids(trainer.pid, [int(trainer.stdout.readline()) for _ in range(3)])  # server, 2 daemons
         assert all(alive(p) for p in pids)
         assert {uid(p) for p in pids} == {nobody.NOBODY if user == "nobody" else os.getuid()}
         time.sleep(0.5)  # the `wait` call is under way
@@ -298,8 +298,9 @@ def test_the_file_that_keeps_a_servers_stderr_stays_bounded_over_the_run(opened)
     without end. The relay empties it past STDERR_BYTES, keeping the last TAIL bytes."""
     from magrpo.mcp_relay import STDERR_BYTES
 
-    [pid] = call(opened, ToolCall("pid", {}))
-    relay = int(Path(f"/proc/{pid.text}/stat").read_text().rsplit(")", 1)[1].split()[1])  # the server's parent
+    [said] = call(opened, ToolCall("pid", {}))
+    [pid] = host_pids(os.getpid(), [int(said.text)])
+    relay = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])  # the server's parent
     for _ in range(3):
         [r] = call(opened, ToolCall("shout", {"size": STDERR_BYTES // 2}))
         assert (r.error, r.text) == (None, "done")

@@ -18,7 +18,7 @@ from magrpo import lifeline
 from magrpo.envs.code import cgroups, isolation, syscalls
 from magrpo.envs.code.sandbox import run_many, run_program
 from magrpo.envs.code.script import run_script
-from tests import hostile
+from tests import hostile, nobody
 from tests.daemons import after_sigkill
 from tests.hostile import CASES, FAST, prog
 
@@ -345,18 +345,6 @@ def _cmdline(pid: int) -> bytes:
         return b""
 
 
-NOBODY = 65534
-
-
-def _unprivileged_python() -> str | None:
-    """A Python `nobody` can run (the venv's, under /root, usually is not)."""
-    for path in (sys.executable, "/usr/bin/python3", "/usr/local/bin/python3"):
-        real = os.path.realpath(path)
-        if os.path.isfile(real) and isolation._others_can_read(real) and sys.version_info >= (3, 10):
-            return real
-    return None
-
-
 def private_copies(uid: int) -> list[Path]:
     """The judge's and the candidate's private module folders in /tmp that `uid` owns."""
     return [p for p in Path(tempfile.gettempdir()).glob("magrpo-*")
@@ -364,43 +352,28 @@ def private_copies(uid: int) -> list[Path]:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not ROOT or not shutil.which("setpriv"), reason="needs root and setpriv to become `nobody`")
 def test_hostile_programs_are_contained_for_an_unprivileged_trainer():
     """The same corpus with the trainer as `nobody`: bwrap unprivileged, in user namespaces it makes itself.
-    Runs tests/hostile.py with envs/code copied to a folder `nobody` can read. Then, with no bwrap on its
-    PATH, `nobody` is refused at the start-up check."""
-    python = _unprivileged_python()
-    if python is None:
-        pytest.skip("no Python that `nobody` can run")
-    for stale in private_copies(NOBODY):  # left by runs before the fix: they would hide nothing, but count
+    The real code path (the checkout, the venv's Python and packages) as `nobody`, through tests/nobody.py.
+    Then, with no bwrap on its PATH, `nobody` is refused at the start-up check."""
+    if reason := nobody.unavailable():
+        pytest.skip(reason)
+    for stale in private_copies(nobody.NOBODY):  # left by runs before the fix: they would hide nothing, but count
         shutil.rmtree(stale)
-    folder = Path(tempfile.mkdtemp(prefix="magrpo-unprivileged-"))
+    folder = Path(tempfile.mkdtemp(prefix="magrpo-unprivileged-"))  # the corpus's target file is written (or not) here
+    os.chown(folder, nobody.NOBODY, nobody.NOBODY)
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(folder), "TMPDIR": "/tmp"}
     try:
-        shutil.copytree(CHECKOUT / "envs" / "code", folder / "envs" / "code",
-                        ignore=shutil.ignore_patterns("data", "__pycache__", "env.py", "problems.py", "reward.py"))
-        (folder / "envs" / "__init__.py").write_text("")
-        (folder / "magrpo").mkdir()  # the judge's lifeline supervisor (stdlib only), without the rest of magrpo
-        (folder / "magrpo" / "__init__.py").write_text("")
-        shutil.copy(CHECKOUT / "magrpo" / "lifeline.py", folder / "magrpo")
-        shutil.copy(CHECKOUT / "tests" / "hostile.py", folder)
-        import pyseccomp  # the system's Python has no packages: the binding (one file) goes beside hostile.py
-
-        shutil.copy(pyseccomp.__file__, folder)
-        for path in [folder, *folder.rglob("*")]:
-            path.chmod(0o755 if path.is_dir() else 0o644)
-        folder.chmod(0o777)  # the corpus's target file is written (or not) here
-        as_nobody = [shutil.which("setpriv"), f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
-        done = subprocess.run([*as_nobody, python, "-E", "-s", "hostile.py", str(folder)], cwd=folder,
-                              capture_output=True, text=True, timeout=300,
-                              env={"PATH": "/usr/bin:/bin", "HOME": str(folder), "TMPDIR": "/tmp"})
+        done = subprocess.run(nobody.command([sys.executable, "-m", "tests.hostile", str(folder)], [str(CHECKOUT)]),
+                              cwd=CHECKOUT, capture_output=True, text=True, timeout=300, env=env)
         assert done.returncode == 0, done.stderr[-3000:]
         assert json.loads(done.stdout.splitlines()[-1]) == []
-        assert hostile.leftovers(range(NOBODY, NOBODY + 1)) == []
-        assert private_copies(NOBODY) == []  # the judge's and candidate's read-only copies are removed at exit
+        assert hostile.leftovers(range(nobody.NOBODY, nobody.NOBODY + 1)) == []
+        assert private_copies(nobody.NOBODY) == []  # the judge's and candidate's read-only copies are removed at exit
         # Without bubblewrap, the same user gets the start-up refusal (the env turns it into env.sandbox's line)
-        check = "from envs.code import isolation; isolation.check('bwrap')"
-        refused = subprocess.run([*as_nobody, python, "-E", "-s", "-c", check], cwd=folder, capture_output=True,
-                                 text=True, timeout=60, env={"PATH": str(folder), "HOME": str(folder)})
+        check = "from magrpo.envs.code import isolation; isolation.check('bwrap')"
+        refused = subprocess.run(nobody.command([sys.executable, "-c", check], [str(CHECKOUT)]), cwd=CHECKOUT,
+                                 capture_output=True, text=True, timeout=60, env={**env, "PATH": str(folder)})
         assert refused.returncode == 1
         assert "SandboxUnavailable: bubblewrap (bwrap) is not installed" in refused.stderr, refused.stderr
         assert "env.sandbox=unsafe" in refused.stderr

@@ -62,13 +62,11 @@ def private_copy(prefix: str, names: tuple[str, ...], python: str, mode: int) ->
     """A fresh folder holding only `names` from this package, byte-compiled by `python`, removed at exit.
     The judge imports from such a folder (nothing else of the checkout is on its path); the candidate's
     folder is what bwrap mounts at SANDBOX_LIB."""
-    try:  # in a run: named by its owner's pid, held by an flock; a SIGKILLed run's is swept by the next
-        from magrpo.paths import owned_folder, sweep
-    except ImportError:  # these modules alone (tests/hostile.py as `nobody`, with a Python without magrpo)
-        folder = tempfile.mkdtemp(prefix=prefix)
-    else:
-        sweep(tempfile.gettempdir(), prefix)
-        folder = str(owned_folder(tempfile.gettempdir(), prefix)[0])  # the flock lasts as long as this process
+    from magrpo.paths import owned_folder, sweep
+
+    # Named by its owner's pid, held by an flock (as long as this process lives); a SIGKILLed run's is swept
+    sweep(tempfile.gettempdir(), prefix)
+    folder = str(owned_folder(tempfile.gettempdir(), prefix)[0])
     for name in names:
         shutil.copy2(HERE / name, folder)
     subprocess.run([python, "-I", "-S", "-m", "compileall", "-q", folder], check=True,
