@@ -237,18 +237,20 @@ def test_a_program_that_kills_or_stops_its_supervisor_still_ends_and_its_daemons
 
 # A program that starts two chains that fork and exit in a loop (a new pid every few ms: faster than a
 # scan of /proc finds them), each in a session of its own (out of reach of a kill of the supervisor's
-# group) and writing its pid on the supervisor's stdout at each step; says it started; waits.
+# group) and writing its pid on the supervisor's stdout at each step; says it started; waits. Every line
+# is one write (os.write, not print: under PYTHONUNBUFFERED print writes a line's text and its newline
+# apart, and a chain's line once landed between them: "started3\n\n", never seen as started).
 CHAINS = """
 import os, time
 for _ in range(2):
     if os.fork() == 0:
         os.setsid()
         while True:
-            print(os.getpid(), flush=True)
+            os.write(1, b"%d\\n" % os.getpid())
             time.sleep(0.005)
             if os.fork():
                 os._exit(0)
-print("started", flush=True)
+os.write(1, b"started\\n")
 time.sleep(3600)
 """
 
@@ -272,11 +274,12 @@ def test_fork_chains_in_sessions_of_their_own_die_with_a_supervisor_killed_by_a_
     proc = subprocess.Popen(lifeline.command([sys.executable, "-c", CHAINS], grace_s=1.0), stdout=subprocess.PIPE,
                             start_new_session=True)
     try:
-        for line in proc.stdout:
-            if line == b"started\n":
-                break
-        else:
-            pytest.fail("the program did not start")
+        seen, until = b"", time.monotonic() + 60
+        while b"\nstarted\n" not in b"\n" + seen:  # a whole line
+            if time.monotonic() > until or not (select.select([proc.stdout], [], [], 1)[0]
+                                                 and (chunk := os.read(proc.stdout.fileno(), 1 << 16))):
+                pytest.fail(f"the program did not say it started: {seen[-200:]!r}")
+            seen += chunk
         time.sleep(0.2)  # the chains run
         proc.terminate()  # the SDK's SIGTERM, then its group kill before the grace is over
         os.killpg(proc.pid, signal.SIGKILL)
