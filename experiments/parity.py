@@ -398,16 +398,23 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def ensure_comlrl(python: Path) -> None:
+    """One command from a clean clone: CoMLRL's own venv (the default one) is made first when missing
+    (scripts/setup_comlrl.sh, a few minutes, once); a --comlrl-python that does not exist is an error."""
+    if python.exists():
+        return
+    if python != COMLRL_VENV / "bin" / "python":
+        raise SystemExit(f"parity: --comlrl-python {python} does not exist")
+    print(f"parity: no CoMLRL venv at {COMLRL_VENV}: making it with scripts/setup_comlrl.sh", file=sys.stderr)
+    subprocess.run(["bash", str(ROOT / "scripts" / "setup_comlrl.sh")], check=True,
+                   env={**os.environ, "MAGRPO_COMLRL_VENV": str(COMLRL_VENV)})
+
+
 def main(argv: list[str] | None = None) -> dict:
     a = parse(argv)
     s = settings_from(a)
-    if "comlrl" in a.sides and not a.comlrl_python.exists():
-        if a.comlrl_python != COMLRL_VENV / "bin" / "python":
-            raise SystemExit(f"parity: --comlrl-python {a.comlrl_python} does not exist")
-        # one command from a clean clone: CoMLRL's own venv is made first (a few minutes, once)
-        print(f"parity: no CoMLRL venv at {COMLRL_VENV}: making it with scripts/setup_comlrl.sh", file=sys.stderr)
-        subprocess.run(["bash", str(ROOT / "scripts" / "setup_comlrl.sh")], check=True,
-                       env={**os.environ, "MAGRPO_COMLRL_VENV": str(COMLRL_VENV)})
+    if "comlrl" in a.sides:
+        ensure_comlrl(a.comlrl_python)
     runs_dir = a.out / "runs"
     runs_dir.mkdir(parents=True, exist_ok=True)
     records, started, before = [], time.time(), machine()

@@ -160,3 +160,20 @@ def test_calibration_compares_comlrls_seed_halves_with_each_other(parity):
     assert first["compared"] == "CoMLRL seeds [0, 1] vs CoMLRL seeds [2, 3]"
     assert first["within"] == 1 and first["largest_below"] == pytest.approx(-0.4)
     assert second["within"] == 1 and second["largest_above"] == pytest.approx(0.45)
+
+
+def test_a_missing_comlrl_venv_is_made_by_the_command_itself(parity, tmp_path, monkeypatch):
+    made = []
+
+    def setup(argv, check, env):  # stands in for scripts/setup_comlrl.sh
+        made.append((argv[-1], env["MAGRPO_COMLRL_VENV"]))
+        (tmp_path / "venv" / "bin").mkdir(parents=True)
+        (tmp_path / "venv" / "bin" / "python").touch()
+
+    monkeypatch.setattr(parity, "COMLRL_VENV", tmp_path / "venv")
+    monkeypatch.setattr(parity.subprocess, "run", setup)
+    parity.ensure_comlrl(tmp_path / "venv" / "bin" / "python")
+    parity.ensure_comlrl(tmp_path / "venv" / "bin" / "python")  # there now: nothing to do
+    assert made == [(str(parity.ROOT / "scripts" / "setup_comlrl.sh"), str(tmp_path / "venv"))]
+    with pytest.raises(SystemExit, match="--comlrl-python .* does not exist"):
+        parity.ensure_comlrl(tmp_path / "elsewhere" / "python")  # a path of the user's: not made
