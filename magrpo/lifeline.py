@@ -62,6 +62,21 @@ def command(argv: list[str], grace_s: float | None = None) -> list[str]:
     return [sys.executable, "-I", "-S", os.path.abspath(__file__), str(os.getpid()), grace, "--", *argv]
 
 
+NO_TREE_WARNING = ("tools.mcp: this user may make no PID namespace, so each MCP server's supervisor holds its "
+                   "process tree by a /proc scan: a server (or code its tools run) that SIGKILLs or SIGSTOPs its "
+                   "supervisor leaves the processes it started running after the run (docs/tools.md, Sessions)")
+
+
+def holds_tree() -> bool:
+    """Whether a supervisor started here gets a PID namespace (the kernel then holds its tree): asked of a
+    child, since unshare(CLONE_NEWPID) changes the namespace of the caller's later children."""
+    import subprocess
+
+    probe = f"import ctypes; print(ctypes.CDLL(None).unshare({CLONE_NEWPID}))"
+    done = subprocess.run([sys.executable, "-I", "-S", "-c", probe], capture_output=True, text=True, timeout=60)
+    return done.stdout.strip() == "0"
+
+
 def watch(pids: list[int], grace_s: float = 5.0) -> None:
     """For children this process did not start through `command` (a library's: vLLM's engine core): a
     watcher that, when this process dies (SIGKILL too), sends them SIGTERM and, `grace_s` later, SIGKILL.

@@ -21,6 +21,7 @@ class Toolbox:
     max_output_chars: int = 4000
     max_concurrency: int = 8
     servers: Any = None  # the MCP sessions this box opened (magrpo.mcp_tools.McpServers), ended by close()
+    warnings: tuple[str, ...] = ()  # what holds the servers less than it should: said at start-up, in config.json
 
     @classmethod
     def open(cls, t) -> Toolbox:
@@ -38,7 +39,11 @@ class Toolbox:
             except BaseException:
                 servers.close()
                 raise
-        return cls(tuple(tools), t.max_calls, t.timeout_s, t.max_output_chars, t.max_concurrency, servers)
+        from . import lifeline
+
+        started = any(server.command for server in t.mcp)  # a server at a url is the user's to stop
+        warnings = (lifeline.NO_TREE_WARNING,) if started and not lifeline.holds_tree() else ()
+        return cls(tuple(tools), t.max_calls, t.timeout_s, t.max_output_chars, t.max_concurrency, servers, warnings)
 
     @property
     def schemas(self) -> tuple[dict, ...]:

@@ -243,9 +243,10 @@ class Run:
             if state and state["step"] >= trainer.steps:
                 print(f"magrpo: the checkpoint is at step {state['step']}, trainer.steps={trainer.steps}: no step "
                       f"left to train; raise trainer.steps to go on", file=sys.stderr)
-        recorded = {**asdict(cfg), **({"warnings": list(env.warnings)} if env.warnings else {})}
+        warnings = (*env.warnings, *toolbox.warnings)
+        recorded = {**asdict(cfg), **({"warnings": list(warnings)} if warnings else {})}
         if world.is_main:  # said once every check has passed (bad input stays one line), kept in config.json
-            for line in env.warnings:
+            for line in warnings:
                 print(f"WARNING: {line}", file=sys.stderr)
         self.writer = RunWriter(self.dir, recorded, cfg.logging.wandb) if world.is_main else NullWriter()
         self.eval_problems = (self.call_env("problems", "eval", where="at start-up")[: cfg.eval.max_problems or None]

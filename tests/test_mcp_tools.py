@@ -386,11 +386,32 @@ def test_a_training_run_calls_an_mcp_tool_and_ends_its_server(make_cfg, monkeypa
     monkeypatch.setattr(magrpo.tool_loop, "CALL_END", "e")
     monkeypatch.setattr(magrpo.tool_loop, "parse_call", lambda text: (
         ToolCall("add", {"a": 40, "b": 2}) if text.endswith("e") else None))
+    monkeypatch.setattr(magrpo.lifeline, "holds_tree", lambda: False)  # as for a user without a PID namespace
     run = train(cfg)
+    assert json.loads((run / "config.json").read_text())["warnings"] == [magrpo.lifeline.NO_TREE_WARNING]
     metrics = [json.loads(line) for line in open(run / "metrics.jsonl")]
     assert all(m["tools/calls"] > 0 for m in metrics) and not any("tools/errors/raised" in m for m in metrics)
     assert "<tool_response>\\n42\\n</tool_response>" in (run / "rollouts.jsonl").read_text()
     assert len(opened) == 2 and server_processes(marker) == []  # the run's own box: opened once, closed
+
+
+def test_a_server_whose_supervisor_cannot_hold_its_tree_is_said_at_start_up(monkeypatch):
+    """Unprivileged, no PID namespace: what a server's supervisor does not hold is a start-up warning (the
+    trainer prints it and keeps it in config.json); where one is made (root here), nothing is said."""
+    import subprocess
+
+    import magrpo.lifeline
+    from magrpo.config import ToolsConfig
+    from magrpo.toolbox import Toolbox
+
+    unshare = subprocess.run(["unshare", "--pid", "--fork", "true"], capture_output=True).returncode == 0
+    assert magrpo.lifeline.holds_tree() == unshare  # asked of a child, as util-linux's unshare asks
+    for holds, said in ((False, (magrpo.lifeline.NO_TREE_WARNING,)), (True, ())):
+        monkeypatch.setattr(magrpo.lifeline, "holds_tree", lambda holds=holds: holds)
+        with Toolbox.open(ToolsConfig(mcp=[server()])) as box:
+            assert box.warnings == said
+    with Toolbox.open(ToolsConfig()) as box:  # no server: no probe, nothing said
+        assert box.warnings == ()
 
 
 def test_the_docs_server_example_runs_under_command_python(tmp_path):
