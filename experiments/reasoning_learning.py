@@ -292,7 +292,8 @@ def headline(runs: Runs) -> str:
     sampled = sampled_headline(runs)
     pairs = before_after(runs, METHOD, sampled)
     if not pairs:
-        return f"No finished run of the method ({METHOD}) yet."
+        return (f"No finished run of the method ({METHOD}) yet." if not runs.get(METHOD) else
+                f"The method's runs have no untrained evaluation to start from: run `untrained --arms {METHOD}`.")
     mean, se, beats = gain_line([a - b for b, a in pairs])
     problems = next(iter(runs[METHOD].values()))[1]["sizes"]["eval_size"]
     verdict = {"yes": "exceeds 2 SE", "no": "does not exceed 2 SE"}.get(beats, beats)

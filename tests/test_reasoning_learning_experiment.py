@@ -135,3 +135,7 @@ def test_headline_says_when_the_gain_is_within_two_standard_errors(exp, tmp_path
     assert headline.startswith("Held-out greedy accuracy")  # no sampled held-out paths: the greedy ones
     assert "accuracy, sampled pass@1" not in exp.report(tmp_path, tmp_path / "results.md", tmp_path / "results.png")
     assert exp.headline({}) == "No finished run of the method (method) yet."
+    runs = exp.load_runs(tmp_path)
+    for records, _ in runs["method"].values():  # runs whose "before" (OUT/untrained) is missing
+        records.pop(0)
+    assert "no untrained evaluation to start from: run `untrained --arms method`" in exp.headline(runs)
