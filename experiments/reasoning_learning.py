@@ -62,7 +62,8 @@ class Sizes:
     k: int  # trainer.num_generations
     max_new_tokens: int
     lr: float
-    train_size: int  # env.train_size: the sampler cycles through it
+    train_size: int  # env.train_size: the most any arm draws in its steps (one_turn: 10 x 12 = 120); a larger
+    #                  split takes more of the task's 200 one-digit questions away from the held-out split
     eval_size: int  # env.eval_size: held-out problems (part 2's power computation: >= 216 at 3 seeds)
     eval_samples: int  # sampled held-out paths per problem beside the greedy one
     eval_every: int  # also evaluate after every this many steps (0: before the first and after the last)
@@ -84,7 +85,7 @@ class Sizes:
 # method step of 2 trees took ~15 min and a greedy held-out evaluation of its team on 216 problems ~1.5 h (a
 # sampled pass costs ~5x a greedy one: none by default). 12 steps, evaluated after step 6 and step 12: a method
 # run is ~6 h there, so it spans three ~2.5-hour jobs; a checkpoint after every step loses at most one.
-FULL = Sizes("smollm2-135m", steps=12, batch_size=2, k=4, max_new_tokens=128, lr=5e-4, train_size=512,
+FULL = Sizes("smollm2-135m", steps=12, batch_size=2, k=4, max_new_tokens=128, lr=5e-4, train_size=128,
              eval_size=216, eval_samples=0, eval_every=6, checkpoint_every=1,
              seeds={METHOD: (0, 1, 2), "single_agent": (0, 1, 2), "one_turn": (0, 1, 2)})
 SMOKE = Sizes("tiny", steps=2, batch_size=1, k=2, max_new_tokens=8, lr=1e-4, train_size=8, eval_size=3,

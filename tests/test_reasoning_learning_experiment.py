@@ -43,6 +43,8 @@ def test_held_out_problems_never_are_train_problems(exp, tmp_path):
         train, held_out = env.problems("train"), env.problems("eval")
         assert len(held_out) == exp.FULL.eval_size >= 216
         assert not {p["prompt"] for p in train} & {p["prompt"] for p in held_out}
+        assert len({p["prompt"] for p in held_out}) == len(held_out)  # each question once
+        assert len(train) >= exp.batch_size(exp.ARMS[name], exp.FULL) * exp.FULL.steps  # no train problem twice
         assert {p["metadata"]["source_dataset"] for p in held_out} == {exp.TASK}
 
 
