@@ -171,6 +171,8 @@ def train_or_keep(run_dir: Path, argv: list[str], info: dict, steps: int) -> Non
     print(f"run: {label} -> {run_dir}", file=sys.stderr, flush=True)
     start = time.perf_counter()
     code = train_main(argv)
+    if code > 128:  # stopped by a signal (a job's time limit), after a checkpoint: not a failure
+        raise SystemExit(f"run: {label} stopped (exit {code}); the same command resumes it from its last checkpoint")
     if code:
         raise SystemExit(f"run: {label} failed (exit {code}); see {run_dir}")
     shared.write_info(run_dir, {**info, **shared._provenance(start)})

@@ -141,3 +141,11 @@ def test_headline_says_when_the_gain_is_within_two_standard_errors(exp, tmp_path
     for records, _ in runs["method"].values():  # runs whose "before" (OUT/untrained) is missing
         records.pop(0)
     assert "no untrained evaluation to start from: run `untrained --arms method`" in exp.headline(runs)
+
+
+def test_a_run_stopped_by_its_jobs_time_limit_is_no_failure(exp, tmp_path, monkeypatch):
+    import magrpo.cli
+
+    monkeypatch.setattr(magrpo.cli, "main", lambda argv: 143)  # SIGTERM (`timeout`), after a checkpoint
+    with pytest.raises(SystemExit, match=r"method seed 0 stopped \(exit 143\); the same command resumes it"):
+        exp.run(exp.SMOKE, tmp_path, ["method"])
