@@ -128,7 +128,6 @@ def run(sizes: Sizes, out: Path, variants: Sequence[str]) -> list[Path]:
     """Every (variant, seed) run not finished yet; finished runs are kept (same settings checked)."""
     import torch
 
-    from magrpo.cli import main as train_main
     from magrpo.models import device_facts, pick_device, resolve_dtype
     from magrpo.tree import tree_size
 
@@ -152,20 +151,31 @@ def run(sizes: Sizes, out: Path, variants: Sequence[str]) -> list[Path]:
         info = {"variant": name, "seed": seed, **asdict(v), "completions_per_step": per_step,
                 "torch_threads": torch.get_num_threads(), "dtype": dtype,
                 "sizes": asdict(sizes), "overrides": argv}
-        if shared.finished(run_dir, sizes.steps):
-            check_same_overrides(run_dir, argv)
-            print(f"run: {name} seed {seed} already finished in {run_dir}", file=sys.stderr)
-            if not (run_dir / "experiment.json").is_file():  # stopped between training and this record
-                shared.write_info(run_dir, {**info, **shared._provenance(time.perf_counter()),
-                                            **shared.timed_by_metrics(run_dir)})
-            continue
-        print(f"run: {name} seed {seed} -> {run_dir}", file=sys.stderr, flush=True)
-        start = time.perf_counter()
-        code = train_main(argv)
-        if code:
-            raise SystemExit(f"run: {name} seed {seed} failed (exit {code}); see {run_dir}")
-        shared.write_info(run_dir, {**info, **shared._provenance(start)})
+        train_or_keep(run_dir, argv, info, sizes.steps)
     return dirs
+
+
+def train_or_keep(run_dir: Path, argv: list[str], info: dict, steps: int) -> None:
+    """Train one run (`train.py argv`, resuming a stopped one) and write its experiment.json (`info`
+    plus date, time and machine); a run finished before is kept, once checked to have had `argv`."""
+    from magrpo.cli import main as train_main
+
+    label = f"{info['variant']} seed {info['seed']}"
+    if shared.finished(run_dir, steps):
+        check_same_overrides(run_dir, argv)
+        print(f"run: {label} already finished in {run_dir}", file=sys.stderr)
+        if not (run_dir / "experiment.json").is_file():  # stopped between training and this record
+            shared.write_info(run_dir, {**info, **shared._provenance(time.perf_counter()),
+                                        **shared.timed_by_metrics(run_dir)})
+        return
+    print(f"run: {label} -> {run_dir}", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    code = train_main(argv)
+    if code > 128:  # stopped by a signal (a job's time limit), after a checkpoint: not a failure
+        raise SystemExit(f"run: {label} stopped (exit {code}); the same command resumes it from its last checkpoint")
+    if code:
+        raise SystemExit(f"run: {label} failed (exit {code}); see {run_dir}")
+    shared.write_info(run_dir, {**info, **shared._provenance(start)})
 
 
 # ------------------------------------------------------------------------------------------ select

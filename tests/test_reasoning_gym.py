@@ -112,6 +112,14 @@ def test_train_and_heldout_never_share_a_question(rg):
     assert env.problems("eval") == make_env(rg, task_config=SMALL_TASK, train_size=40, eval_size=10).problems("eval")
 
 
+def test_heldout_problems_are_distinct_questions(rg):
+    """A held-out question drawn twice would count twice in an accuracy whose error assumes n problems
+    (docs/results/reasoning_sizing.md); of 81 questions, 30 held-out draws repeated 4 of them."""
+    env = make_env(rg, task_config=SMALL_TASK, train_size=40, eval_size=30)
+    heldout = [p["prompt"] for p in env.problems("eval")]
+    assert len(heldout) == len(set(heldout)) == 30
+
+
 def test_a_task_too_small_for_both_splits_is_a_config_error(rg):
     env = make_env(rg, task_config=SMALL_TASK, train_size=400, eval_size=10)  # nearly every question is a train one
     with pytest.raises(ConfigError, match=r"^env.eval_size: task 'basic_arithmetic' gave \d held-out problems"):

@@ -10,7 +10,8 @@ solvers' answers are never shown to it. Each solver's own score is its per-agent
 (Scored.agent_rewards), paid with reward.team_weight < 1.
 
 Splits: the train problems come from `env.train_seed`, the held-out ones from `env.eval_seed`, and a
-held-out problem whose question is also a train question is skipped: the splits never share one.
+held-out problem whose question is also a train question, or an earlier held-out one, is skipped: the
+splits never share one, and the held-out split asks each question once.
 """
 from __future__ import annotations
 
@@ -57,7 +58,7 @@ class ReasoningGymEnv(Environment):
         train_size: int = 256
         """Problems in the train split."""
         eval_size: int = 32
-        """Problems in the held-out split (none of them shares a question with the train split)."""
+        """Problems in the held-out split: distinct questions, none of them a train question."""
         train_seed: int = 0
         """Seed of the train split."""
         eval_seed: int = 1_000_000
@@ -113,7 +114,8 @@ class ReasoningGymEnv(Environment):
         drawn = HELDOUT_DRAWS * self.cfg.eval_size
         heldout = tasks.make_dataset(self.rg, self.cfg.task, self.kwargs, self.cfg.eval_seed, drawn)
         train = {p["prompt"] for p in self.problems("train")}
-        entries = tasks.draw(heldout, self.cfg.task, self.cfg.eval_size, train)
+        # distinct: a question drawn twice would count twice in an accuracy whose error assumes n problems
+        entries = tasks.draw(heldout, self.cfg.task, self.cfg.eval_size, train, distinct=True)
         if len(entries) < self.cfg.eval_size:
             raise ConfigError("env.eval_size", f"task {self.cfg.task!r} gave {len(entries)} held-out problems that are "
                                                f"not train problems ({drawn} drawn); lower env.eval_size or "

@@ -100,8 +100,10 @@ def make_dataset(rg: Any, task: str, kwargs: Mapping[str, Any], seed: int, size:
         raise ConfigError("env.task_config", f"task {task!r} rejects it: {describe(e)}") from None
 
 
-def draw(dataset: Any, task: str, count: int, skip: set[str]) -> list[dict[str, Any]]:
-    """Up to `count` entries of `dataset` in index order whose question is not in `skip`."""
+def draw(dataset: Any, task: str, count: int, skip: set[str], distinct: bool = False) -> list[dict[str, Any]]:
+    """Up to `count` entries of `dataset` in index order whose question is not in `skip` (distinct: nor
+    an earlier entry's)."""
+    skip = set(skip)
     out: list[dict[str, Any]] = []
     for i in range(len(dataset)):
         if len(out) == count:
@@ -113,4 +115,6 @@ def draw(dataset: Any, task: str, count: int, skip: set[str]) -> list[dict[str, 
                               f"task {task!r} failed to generate problem {i}: {describe(e)}") from None
         if entry["question"] not in skip:
             out.append(entry)
+            if distinct:
+                skip.add(entry["question"])
     return out
