@@ -2,7 +2,7 @@
 magrpo with full-weight agents on one task, per prompt, over seeds (issue 47, part 2).
 
     bash scripts/setup_comlrl.sh                        # once: CoMLRL's own venv (~/.cache/magrpo/comlrl-venv)
-    .venv/bin/python experiments/parity.py              # align + cross, 6 seeds, 48 prompts: experiments/out/parity/
+    .venv/bin/python experiments/parity.py              # align + cross, 9 seeds, 48 prompts: experiments/out/parity/
     .venv/bin/python experiments/parity.py --quick      # the whole pipeline in seconds (1 seed, 2 prompts, tiny tree)
     .venv/bin/python experiments/parity.py --modes align --seeds 1 --prompts 20   # a small real comparison
 
@@ -76,7 +76,7 @@ class Settings:
 
     task: str = "length_ratio"
     modes: tuple[str, ...] = ("align", "cross")
-    seeds: tuple[int, ...] = (0, 1, 2, 3, 4, 5)  # a 3-seed band is too narrow to hold a curve (parity.md)
+    seeds: tuple[int, ...] = tuple(range(9))  # a 3-seed band is too narrow to hold a curve (parity.md)
     prompts: int = 48  # prompts per run = steps (one prompt per step), one epoch over a split of this size
     tree: Tree = field(default_factory=Tree)
     lr: float = 3e-3  # both sides, every agent: both learn visibly within 24 prompts (docs/results/parity.md)
@@ -377,7 +377,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="seconds-long smoke: 1 seed, 2 prompts, K=2, 6 tokens")
     p.add_argument("--modes", nargs="+", choices=["align", "cross"], help="joint modes (default both)")
-    p.add_argument("--seeds", type=int, help="seeds 0..N-1 (default 6)")
+    p.add_argument("--seeds", type=int, help="seeds 0..N-1 (default 9)")
     p.add_argument("--prompts", type=int, help="prompts per run, one per step (default 48)")
     p.add_argument("--lr", type=float, help="learning rate of every agent, both libraries (default 3e-3)")
     p.add_argument("--k", type=int, help="completions per agent and node (default 4)")
