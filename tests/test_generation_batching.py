@@ -178,6 +178,39 @@ def test_row_adapters_compute_what_peft_mixed_batching_does(agents, grouped):
     assert torch.equal(after, want)  # hooks removed, adapters enabled again
 
 
+def test_equal_slices_in_reduced_precision_go_through_one_batched_product_with_the_same_bits(agents):
+    """bfloat16 rows in equal runs per agent (a decode's usual shape): both adapters in two batched products
+    per layer, the same logits bit for bit as one slice at a time (and as peft's mixed batching); unequal
+    runs and float32 take the per-slice path."""
+    from magrpo.backends.hf import RowAdapters
+
+    model = agents[0].model.eval().to(torch.bfloat16)
+    try:
+        ids = torch.randint(3, 200, (6, 7), generator=torch.Generator().manual_seed(2)).to(model.device)
+        rows = ["agent_0"] * 3 + ["agent_1"] * 3
+        batched, calls = RowAdapters(model), []
+        real = batched._add_lora_batched
+        batched._add_lora_batched = lambda *a: calls.append(1) or real(*a)
+        per_slice = RowAdapters(model)
+        per_slice._batched = lambda weights, x: False
+        with torch.no_grad():
+            with batched.active():
+                got = model(input_ids=ids, **batched.rows(rows)).logits
+            with per_slice.active():
+                want = model(input_ids=ids, **per_slice.rows(rows)).logits
+            peft = model(input_ids=ids, adapter_names=rows).logits
+            assert calls and torch.equal(got, want) and torch.equal(got, peft)
+            calls.clear()
+            with batched.active():  # runs of 4 and 2 rows: one slice at a time
+                model(input_ids=ids, **batched.rows(["agent_0"] * 4 + ["agent_1"] * 2))
+            assert not calls
+    finally:
+        model.to(torch.float32)
+    with torch.no_grad(), batched.active():  # float32: one slice at a time (its goldens are bit-exact)
+        model(input_ids=ids, **batched.rows(rows))
+    assert not calls
+
+
 def test_row_routing_leaves_each_layers_switch_hooks_and_grads_as_it_found_them(agents):
     """RowAdapters turns the LoRA layers' own switches off for a decode and back, also when the forward
     raises. peft's disable_adapter() (which it used before) re-sets requires_grad on the way out: a model

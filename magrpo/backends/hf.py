@@ -471,6 +471,8 @@ class RowAdapters:
 
     def _add_lora(self, weights: dict[str, tuple], layer, args, output: torch.Tensor) -> torch.Tensor:
         x = args[0]
+        if self._batched(weights, x):
+            return self._add_lora_batched(weights, x, output)
         for name, rows in self.slices:
             if name in weights:
                 a_weight, a_bias, b_weight, b_bias, scaling, dropout = weights[name]
@@ -480,3 +482,34 @@ class RowAdapters:
                 delta = F.linear(F.linear(h, a_weight, a_bias), b_weight, b_bias) * scaling  # peft's arithmetic
                 output[rows] += delta.to(output.dtype)
         return output
+
+    def _batched(self, weights: dict, x: torch.Tensor) -> bool:
+        """Whether this forward's slices can go through one batched product: two or more slices of the
+        same number of rows, each through an adapter of this layer of one rank, without bias or dropout,
+        in a reduced-precision model (float32 keeps the per-slice products: its goldens are bit-exact)."""
+        if len(self.slices) < 2 or x.dtype == torch.float32:
+            return False
+        sizes = {rows.stop - rows.start for _, rows in self.slices}
+        if len(sizes) != 1 or any(name not in weights for name, _ in self.slices):
+            return False
+        picked = [weights[name] for name, _ in self.slices]
+        return (len({w[0].shape for w in picked}) == 1 and len({w[2].shape for w in picked}) == 1
+                and all(w[1] is None and w[3] is None and w[5] is None for w in picked))
+
+    def _add_lora_batched(self, weights: dict, x: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+        """`B(A(x)) * scaling` for every slice at once: two batched products over the slices' stacked
+        adapters instead of ~7 small operations per slice (a fifth of a default run's time with 4-8 rows
+        was spent in this hook, one slice at a time)."""
+        names = tuple(name for name, _ in self.slices)
+        if names not in weights:  # stacked once per decode call and order of adapters (weights are its own)
+            picked = [weights[name] for name in names]
+            a = torch.stack([w[0] for w in picked]).transpose(1, 2)  # [slices, in, rank]
+            b = torch.stack([w[2] for w in picked]).transpose(1, 2)  # [slices, rank, out]
+            scale = torch.tensor([w[4] for w in picked], dtype=a.dtype, device=a.device)[:, None, None]
+            weights[names] = (a, b, scale)
+        a, b, scale = weights[names]
+        h = x.reshape(len(names), -1, x.shape[-1]).to(a.dtype)  # the slices are equal runs of rows, in order
+        delta = torch.bmm(torch.bmm(h, a), b) * scale
+        output += delta.reshape(output.shape).to(output.dtype)
+        return output
+
