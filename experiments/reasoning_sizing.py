@@ -159,7 +159,7 @@ def measure_one(text: str, model: str, problems: int, samples: int, max_new_toke
     task, config = parse_candidate(text)
     base = [f"model={model}", "env=reasoning_gym", f"env.task={task}",
             *[f"+env.task_config.{k}={json.dumps(v)}" for k, v in config.items()],
-            f"env.train_size={problems}", "eval.at_start=false", "eval.at_end=false", "eval.every=0",
+            f"env.train_size={problems}", "env.eval_size=0", "eval.at_start=false", "eval.at_end=false", "eval.every=0",
             *([f"generation.max_new_tokens={max_new_tokens}"] if max_new_tokens else []), *extra]
     runs = {}
     if team:  # 2 agents (solver, checker), 2 turns, the env's feedback

@@ -48,18 +48,23 @@ import time
 
 PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 36, 38  # <linux/prctl.h>
 CLONE_NEWNS, CLONE_NEWPID = 0x20000, 0x20000000  # <sched.h>
+SHARED_PIDS = "--shared-pids"  # the supervisor's flag for command(own_pids=False)
 MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_SLAVE = 0x2, 0x4, 0x8, 0x4000, 0x80000  # <sys/mount.h>
 # SIGINT is not passed on: a terminal sends it to the whole foreground group, the program too.
 PASSED_ON = (signal.SIGTERM, signal.SIGHUP)
 KILL_GIVE_UP_S = 5.0  # descendants that all refuse SIGKILL (another uid) are left after this long
 
 
-def command(argv: list[str], grace_s: float | None = None) -> list[str]:
+def command(argv: list[str], grace_s: float | None = None, own_pids: bool = True) -> list[str]:
     """The argv that runs `argv` under a supervisor tied to this process (the trainer). `grace_s`: how
     long the program has after a SIGTERM before everything is killed (None: as long as it takes;
-    the trainer's death still ends it at once)."""
+    the trainer's death still ends it at once). `own_pids=False`: never a PID namespace, for a program
+    that must see the host's processes: a trainer (magrpo.pinned), whose start-up sweeps judge other
+    trainers' leftovers by their pids in /proc, and in a namespace took every live trainer for dead
+    (it removed another test process's sandbox cgroups: "could not make the sandbox's cgroup")."""
     grace = "-" if grace_s is None else repr(float(grace_s))
-    return [sys.executable, "-I", "-S", os.path.abspath(__file__), str(os.getpid()), grace, "--", *argv]
+    return [sys.executable, "-I", "-S", os.path.abspath(__file__), str(os.getpid()), grace,
+            *([] if own_pids else [SHARED_PIDS]), "--", *argv]
 
 
 NO_TREE_WARNING = ("tools.mcp: this user may make no PID namespace, so each MCP server's supervisor holds its "
@@ -290,13 +295,13 @@ def outside(init: int, trainer_fd: int, wake: tuple[int, int]) -> int:
     return exit_code(os.waitpid(init, 0)[1])
 
 
-def supervise(trainer: int, grace_s: float | None, argv: list[str]) -> int:
+def supervise(trainer: int, grace_s: float | None, argv: list[str], own_pids: bool = True) -> int:
     libc = ctypes.CDLL(None, use_errno=True)
     trainer_fd = pidfd_of_parent(trainer)
     if trainer_fd is None:
         return 137
     wake = on_signals()
-    init = pid_namespace(libc)
+    init = pid_namespace(libc) if own_pids else None
     if init:
         return outside(init, trainer_fd, wake)
     if init == 0:  # the namespace's init: a pipe of its own (the parent's is inherited, and read there)
@@ -355,4 +360,6 @@ def watch_main(trainer: int, grace_s: float, fds: list[int]) -> int:
 if __name__ == "__main__":
     if sys.argv[1] == "--watch":
         sys.exit(watch_main(int(sys.argv[2]), float(sys.argv[3]), [int(fd) for fd in sys.argv[4:]]))
-    sys.exit(supervise(int(sys.argv[1]), None if sys.argv[2] == "-" else float(sys.argv[2]), sys.argv[4:]))
+    shared = sys.argv[3] == SHARED_PIDS
+    sys.exit(supervise(int(sys.argv[1]), None if sys.argv[2] == "-" else float(sys.argv[2]),
+                       sys.argv[4 + shared:], own_pids=not shared))

@@ -82,7 +82,7 @@ def run(args: Sequence[str], **kwargs: Any) -> subprocess.CompletedProcess:
     """`python -m magrpo.pinned ARGS` in a child with the pins in its environment (`env=` adds to it),
     under a lifeline supervisor (magrpo.lifeline): it dies with this process, even by SIGKILL."""
     env = pinned_env({**os.environ, **kwargs.pop("env", {})})
-    return subprocess.run(lifeline.command(command(args)), env=env, **kwargs)
+    return subprocess.run(lifeline.command(command(args), own_pids=False), env=env, **kwargs)
 
 
 def main(argv: Sequence[str]) -> int:

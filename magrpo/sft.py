@@ -128,7 +128,8 @@ def build_pinned(target: str, arguments: Mapping[str, Any], out: Path, label: st
         getattr(importlib.import_module(module), function)(out=str(out), **arguments)
         return
     # Under a lifeline supervisor: a trainer killed meanwhile (SIGKILL too) does not leave a build running.
-    args = lifeline.command(pinned.command(["--call", target, json.dumps({"out": str(out), **arguments})]))
+    args = lifeline.command(pinned.command(["--call", target, json.dumps({"out": str(out), **arguments})]),
+                            own_pids=False)
     error = None
     with subprocess.Popen(args, env=pinned.pinned_env(), stderr=subprocess.PIPE, text=True, errors="replace") as proc:
         for line in proc.stderr:

@@ -408,3 +408,25 @@ def test_a_pinned_build_and_its_daemons_die_with_a_trainer_killed_by_sigkill(tmp
     finally:
         left = after_sigkill(trainer, pids)
     assert left == []
+
+
+def test_a_trainer_under_a_supervisor_sees_the_hosts_processes(monkeypatch):
+    """magrpo.pinned runs a whole trainer under a supervisor with own_pids=False: no PID namespace, so its
+    start-up sweeps that judge other trainers' leftovers by their pids see those trainers alive. In a
+    namespace this process (its parent trainer) is not in /proc, and a pinned run removed a live test
+    process's sandbox cgroups. A program that asks for its own pids still gets them where root may."""
+    from magrpo import pinned
+
+    probe = f"import os; print(os.path.exists('/proc/{os.getpid()}'), os.getpid() > 3)"
+    shared = subprocess.run(lifeline.command([sys.executable, "-c", probe], own_pids=False), capture_output=True,
+                            text=True, timeout=60)
+    assert shared.stdout.split() == ["True", "True"]
+    ran = []
+    monkeypatch.setattr(pinned.subprocess, "run", lambda argv, **kwargs: ran.append(argv))
+    pinned.run(["trainer.steps=1"])
+    assert ran[0][ran[0].index("--") - 1] == lifeline.SHARED_PIDS  # pinned trainers ask for the host's pids
+    monkeypatch.undo()
+    if reason := no_namespace("own"):
+        pytest.skip(reason)
+    own = subprocess.run(lifeline.command([sys.executable, "-c", probe]), capture_output=True, text=True, timeout=60)
+    assert own.stdout.split() == ["False", "False"]  # the namespace's pids: the program is 2

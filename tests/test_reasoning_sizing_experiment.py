@@ -26,6 +26,7 @@ def test_a_candidate_is_a_task_and_its_config(exp):
 
         task, config = exp.parse_candidate(text)
         prepare(compose(["env=reasoning_gym", f"env.task={task}", "model=tiny",
+                         "env.eval_size=0", "eval.at_end=false",  # as the sizing runs: no held-out split
                          *[f"+env.task_config.{k}={json.dumps(v)}" for k, v in config.items()]]))
 
 
@@ -58,7 +59,8 @@ def test_it_samples_the_train_split_through_the_envs_prompts_and_verifier(exp, t
     assert json.loads(out.read_text()) == results
     r = results[0]
     assert (r["task"], r["problems"], r["samples"]) == ("chain_sum", 2, 2)
-    env, _ = prepare(compose(["env=reasoning_gym", "env.task=chain_sum", "model=tiny", "+env.task_config.min_terms=2",
+    env, _ = prepare(compose(["env=reasoning_gym", "env.task=chain_sum", "model=tiny", "env.eval_size=0",
+                              "eval.at_end=false", "+env.task_config.min_terms=2",
                               "+env.task_config.max_terms=2", "+env.task_config.max_digits=1"]))
     train = [p["prompt"] for p in env.problems("train")[:2]]
     team, single = r["transcripts"]["team"], r["transcripts"]["single"]
