@@ -161,6 +161,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--attention", nargs="+", help="attention implementations to time the decode step with, "
                         "in turn (sdpa: transformers' own; magrpo_sdpa: magrpo/attention.py, what magrpo loads)")
     parser.add_argument("--pairs", type=int, default=1, help="rounds of the --attention implementations in turn")
+    parser.add_argument("--cpu-memory", default="keep", help="model.cpu_memory: keep (magrpo's default) | system "
+                        "(glibc's own malloc settings; compare the two in separate processes, in turn)")
     args = parser.parse_args(argv)
 
     from magrpo.cli import compose
@@ -168,7 +170,8 @@ def main(argv: list[str] | None = None) -> None:
 
     torch.manual_seed(0)
     dtype = getattr(torch, args.dtype)
-    cfg = compose([f"model={args.model}", f"model.dtype={args.dtype}", "env=length_ratio", "external=length_ratio"])
+    cfg = compose([f"model={args.model}", f"model.dtype={args.dtype}", "env=length_ratio", "external=length_ratio",
+                   f"model.cpu_memory={args.cpu_memory}"])
     agents = load_agents(cfg, 2)
     for name, param in agents[0].model.named_parameters():  # peft starts B at zero: make the adapters do work
         if "lora_B" in name:
@@ -193,7 +196,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"machine: {torch.get_num_threads()} threads, copy bandwidth {box['bandwidth'] / 1e9:.1f} GB/s, "
           f"{args.dtype} matmul {box['matmul'] / 1e9:.1f} GFLOP/s")
     print(f"model: {args.model} ({c['weight_bytes'] / 1e6:.1f} MB of weights, {c['linear'] / 1e6:.2f}M matmul "
-          f"parameters), {args.rows} rows, prompt {args.prompt}, {args.dtype}")
+          f"parameters), {args.rows} rows, prompt {args.prompt}, {args.dtype}, cpu_memory={args.cpu_memory}")
     print(f"{'':20} {'MB moved':>9} {'GFLOP':>8} {'bw bound ms':>11} {'flop bound ms':>13} {'measured ms':>11} "
           f"{'roofline share':>14}")
     for name, moved, flops, seconds in rows:

@@ -88,7 +88,10 @@ def seed_all(seed: int) -> None:
 
 # ---------------------------------------------------------------- magrpo
 
-def run_magrpo(task: Task, mode: str, prompts: int, batch_size: int, turns: int, seed: int, quiet: bool) -> dict:
+def run_magrpo(task: Task, mode: str, prompts: int, batch_size: int, turns: int, seed: int, quiet: bool,
+               model: str | None = None, extra: tuple[str, ...] = ()) -> dict:
+    """Train magrpo on `prompts` problems in steps of `batch_size` trees; its timings per step. `model`: a
+    configs/model group (e.g. smollm2-135m) instead of the task's tiny model; `extra`: more overrides."""
     import magrpo.envs
     import magrpo.external  # noqa: F401  (registers the feedback modes)
     import magrpo.models as models
@@ -101,7 +104,9 @@ def run_magrpo(task: Task, mode: str, prompts: int, batch_size: int, turns: int,
     with tempfile.TemporaryDirectory(prefix="magrpo-bench-") as tmp:
         run_dir = Path(tmp) / "run"
         cfg = compose([
-            *magrpo_overrides(task, replace(TREE, turns=turns), mode, prompts, batch_size, seed),
+            *magrpo_overrides(task, replace(TREE, turns=turns), mode, prompts, batch_size, seed,
+                              model=model),
+            *extra,
             "logging.progress=false",
             "logging.rollouts=false",
             "logging.wandb.mode=disabled",

@@ -76,13 +76,16 @@ class Tree:
         return sum(self.joint_actions(mode) ** t for t in range(self.turns))
 
 
-def magrpo_overrides(task: Task, tree: Tree, mode: str, prompts: int, batch_size: int, seed: int) -> list[str]:
-    """magrpo overrides for this task and tree: `prompts` problems in steps of `batch_size` trees."""
+def magrpo_overrides(task: Task, tree: Tree, mode: str, prompts: int, batch_size: int, seed: int,
+                     model: str | None = None) -> list[str]:
+    """magrpo overrides for this task and tree: `prompts` problems in steps of `batch_size` trees. `model`: a
+    configs/model group (e.g. smollm2-135m) instead of the task's tiny model (magrpo only: CoMLRL's side
+    loads the tiny model)."""
+    models = [f"model={model}"] if model else [
+        "model=tiny", f"model.tiny_hidden_size={task.hidden_size}", f"model.tiny_layers={task.layers}"]
     return [
         f"env={task.env}",
-        "model=tiny",
-        f"model.tiny_hidden_size={task.hidden_size}",
-        f"model.tiny_layers={task.layers}",
+        *models,
         *task.overrides,
         f"env.train_size={prompts}",
         f"external.mode={task.env}",

@@ -29,6 +29,10 @@ class ModelConfig:
     GPU with bf16; a CPU with AMX or AVX512-BF16), float32 elsewhere; the start-up line says which and why."""
     device: str = "auto"
     """auto (cuda if available, else cpu) | cpu | cuda | cuda:N."""
+    cpu_memory: str = "keep"
+    """On a CPU: keep (glibc's malloc serves large tensors from memory the run freed before, not from fresh pages:
+    the update pass up to 2x faster, magrpo/host_memory.py; the process keeps up to 2 GiB it no longer uses) |
+    system (glibc's own settings)."""
     trust_remote_code: bool = False
     """Passed to from_pretrained."""
     chat_template: str = "auto"

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Iterator
 
 import torch
 
-from . import attention, hub
+from . import attention, host_memory, hub
 from .console import quiet_progress_bars
 from .errors import ConfigError, FetchError
 
@@ -344,6 +344,8 @@ def load_agents(cfg: TrainConfig, num_agents: int, tool_schemas: tuple[dict, ...
     device = pick_device(cfg.model.device)
     dtype = getattr(torch, model_dtype(cfg.model)[0])
     targets = cfg.lora.target_modules
+    if device.type == "cpu" and cfg.model.cpu_memory == "keep":
+        host_memory.keep()  # before the weights load: they and every tensor after come from the kept heap
 
     def lora(i: int) -> LoraConfig:  # fresh per use: peft writes the base model's name into the object
         return LoraConfig(

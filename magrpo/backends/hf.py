@@ -288,6 +288,8 @@ def decode(
     the prompt is prefilled. `keep_states`: also return each row's keys and values (every row that
     wrote no EOS).
     """
+    from .hf_cache import reserve  # transformers' cache classes: imported when a decode runs
+
     device = next(model.parameters()).device
     cache_key = cache_keyword(model)
     prior = {}
@@ -317,6 +319,7 @@ def decode(
                         use_cache=True, logits_to_keep=1, **prior, **routing.rows(adapters))
         cache = out[cache_key]
         cache.batch_select_indices(expand)
+        reserve(cache, steps)  # each step writes its position in place instead of copying the cache
         logits = out.logits[expand, -1]
         attention = attention[expand]
         positions = attention.sum(-1)  # next position of every row

@@ -66,8 +66,10 @@ def plain_layers(cache) -> list | None:
     are then prefilled from scratch."""
     from transformers.cache_utils import DynamicLayer
 
+    from .hf_cache import ReservedLayer
+
     layers = getattr(cache, "layers", None)
-    return layers if layers and all(type(layer) is DynamicLayer for layer in layers) else None
+    return layers if layers and all(type(layer) in (DynamicLayer, ReservedLayer) for layer in layers) else None
 
 
 def kept_batch(layers: list, attention: torch.Tensor, rows: torch.Tensor | None = None) -> KeptBatch:
