@@ -161,8 +161,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--attention", nargs="+", help="attention implementations to time the decode step with, "
                         "in turn (sdpa: transformers' own; magrpo_sdpa: magrpo/attention.py, what magrpo loads)")
     parser.add_argument("--pairs", type=int, default=1, help="rounds of the --attention implementations in turn")
-    parser.add_argument("--cpu-memory", default="keep", help="model.cpu_memory: keep (magrpo's default) | system "
-                        "(glibc's own malloc settings; compare the two in separate processes, in turn)")
+    parser.add_argument("--cpu-memory", default="system", help="model.cpu_memory: system (glibc's own malloc "
+                        "settings, magrpo's default) | keep (compare the two in separate processes, in turn)")
     args = parser.parse_args(argv)
 
     from magrpo.cli import compose

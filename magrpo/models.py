@@ -345,7 +345,7 @@ def load_agents(cfg: TrainConfig, num_agents: int, tool_schemas: tuple[dict, ...
     dtype = getattr(torch, model_dtype(cfg.model)[0])
     targets = cfg.lora.target_modules
     if device.type == "cpu" and cfg.model.cpu_memory == "keep":
-        host_memory.keep()  # before the weights load: they and every tensor after come from the kept heap
+        host_memory.keep()  # before the weights load: they and every tensor after come from the kept heap (opt-in)
 
     def lora(i: int) -> LoraConfig:  # fresh per use: peft writes the base model's name into the object
         return LoraConfig(
