@@ -71,3 +71,16 @@ def test_a_bad_value_is_one_line_naming_the_allowed_values(run_cli):
     code, lines = run_cli(*SMALL, "model.cpu_memory=forever")
     assert code == 2 and lines == ["config error: model.cpu_memory: 'forever' is not allowed; choose one of: keep, "
                                    "system"]
+
+
+def test_a_run_resumes_with_the_other_setting(make_cfg):
+    # a run killed for memory under keep must be able to go on under system: the setting never changes a number
+    import copy
+    from dataclasses import asdict
+
+    from magrpo.checkpoint import check_config
+
+    current = asdict(make_cfg())
+    stored = copy.deepcopy(current)
+    stored["model"]["cpu_memory"] = "keep"
+    check_config("ckpt", stored, current)  # no ConfigError
