@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import attention
 from .distributed import World
 from .loss import LossSettings, gather_logprobs, policy_loss, sequence_weights, token_entropy
 from .models import Agent, cache_keyword
@@ -138,6 +139,7 @@ def _completion_outputs(model: torch.nn.Module, batch: PackedBatch, field: str, 
     """(R, C, ...) the `field` output of `model` at the positions that predict completion tokens 0..C-1:
     each distinct prompt is run once (its last position predicts token 0), then the rows' completions
     run on their prompt's KV cache."""
+    kwargs.update(attention.update_kwargs(model))  # the update's attention (magrpo/attention.py)
     out = model(input_ids=batch.prompt_ids, attention_mask=batch.prompt_mask,
                 position_ids=(batch.prompt_mask.cumsum(-1) - 1).clamp(min=0), use_cache=True, **kwargs)
     first = out[field][:, -1:][batch.expand]  # (R, 1, ...): predicts completion token 0
@@ -146,8 +148,9 @@ def _completion_outputs(model: torch.nn.Module, batch: PackedBatch, field: str, 
     cache_key = cache_keyword(model)
     cache = out[cache_key]
     cache.batch_select_indices(batch.expand)  # differentiable gather: rows share their prompt's KV
+    kwargs.pop("logits_to_keep", None)
     rest = model(input_ids=batch.inputs, attention_mask=batch.attention, position_ids=batch.positions,
-                 use_cache=True, **{cache_key: cache})[field]
+                 use_cache=True, **{cache_key: cache}, **kwargs)[field]
     return torch.cat([first, rest], dim=1)
 
 

@@ -84,3 +84,55 @@ def test_a_loaded_model_uses_it_and_a_saved_one_does_not_name_it(make_cfg, tmp_p
     assert (ours.float() - theirs.float()).abs().max() < 0.1 * theirs.float().abs().max()
     agent.model.save_pretrained(tmp_path / "saved")
     assert attention.NAME not in json.dumps(json.loads((tmp_path / "saved" / "config.json").read_text()))
+
+
+@pytest.mark.parametrize("positions", [1, 5])
+def test_the_updates_attention_in_bfloat16_is_float32_sdpa_with_its_gradient(positions):
+    q, k, v, mask = inputs(9, 3, 40, torch.bfloat16, positions=positions)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    m = module(9, 3)
+    ours, _ = attention.attention(m, q, k, v, mask, scaling=0.125, **{attention.UPDATE: True})
+    exact, _ = sdpa_attention_forward(m, q.float(), k.float(), v.float(), mask, scaling=0.125)
+    assert ours.dtype == torch.bfloat16 and torch.equal(ours, exact.to(torch.bfloat16))
+    ours.float().sum().backward()
+    assert all(t.grad is not None and t.grad.dtype == torch.bfloat16 and t.grad.abs().sum() > 0 for t in (q, k, v))
+
+
+def test_the_update_keyword_leaves_float32_to_sdpa_bit_for_bit():
+    q, k, v, mask = inputs(9, 3, 40, torch.float32, positions=5)
+    m = module(9, 3)
+    ours, _ = attention.attention(m, q, k, v, mask, scaling=0.125, **{attention.UPDATE: True})
+    theirs, _ = sdpa_attention_forward(m, q, k, v, mask, scaling=0.125)
+    assert torch.equal(ours, theirs)
+
+
+def test_the_update_passes_the_keyword_to_the_policy_and_the_reference(make_cfg, monkeypatch):
+    """Every attention call of the update's forwards (the policy's with gradients, the reference's
+    without) carries the keyword, so both compute attention the same way; a decode does not."""
+    from transformers import AttentionInterface
+
+    from magrpo.models import load_agents
+    from magrpo.update import TrainSample, forward_logprobs, pack
+
+    (agent,) = load_agents(make_cfg("model.dtype=bfloat16"), 1)
+    seen = []
+
+    def spy(*args, **kwargs):
+        seen.append(bool(kwargs.get(attention.UPDATE)))
+        return attention.attention(*args, **kwargs)
+
+    monkeypatch.setitem(AttentionInterface._global_mapping, attention.NAME, spy)
+    samples = [TrainSample([5, 6, 7], [8, 9, 10], 1.0), TrainSample([5, 6, 7], [11, 12], -1.0)]
+    batch = pack(samples, agent.tokenizer.pad_token_id)
+    policy, _ = forward_logprobs(agent.model, batch)
+    assert seen and all(seen)
+    seen.clear()
+    with torch.no_grad(), agent.reference_model() as reference:
+        ref, _ = forward_logprobs(reference, batch)
+    assert seen and all(seen)
+    # LoRA starts as the identity: the policy's and the reference's log-probs are the same numbers
+    assert torch.equal(policy.detach(), ref)
+    seen.clear()
+    with torch.no_grad():
+        agent.model(input_ids=torch.tensor([[5, 6, 7]]))
+    assert seen == [False] * len(seen) and seen
