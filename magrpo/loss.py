@@ -11,6 +11,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from . import vocab
 from .registry import Registry
 
 # weights(lengths (B,), max_new_tokens, num_sequences, num_tokens) -> per-token weight of each
@@ -47,18 +48,15 @@ def sequence_weights(agg: str, lengths: torch.Tensor, max_new_tokens: int, num_s
     return LOSS_AGGS.hook(agg, timeout_s)(lengths, max_new_tokens, num_sequences, num_tokens)
 
 
-def gather_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """logits (B, L, V) predicting targets (B, L) -> (B, L) log-probs of the targets.
-    gather - logsumexp avoids materialising a second (B, L, V) log-softmax tensor."""
-    logits = logits.float()
-    picked = torch.gather(logits, -1, targets.unsqueeze(-1)).squeeze(-1)
-    return picked - torch.logsumexp(logits, dim=-1)
+def gather_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """logits (B, L, V) predicting targets (B, L) -> (B, L) float32 log-probs of the targets under
+    logits / temperature: gather - logsumexp, a few rows at a time (magrpo/vocab.py)."""
+    return vocab.target_logprobs(logits, targets, temperature)
 
 
-def token_entropy(logits: torch.Tensor) -> torch.Tensor:
-    """logits (B, L, V) -> (B, L) entropy of the predicted distribution, in nats."""
-    logits = logits.float()
-    return torch.logsumexp(logits, dim=-1) - (logits.softmax(-1) * logits).sum(-1)
+def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """logits (B, L, V) -> (B, L) entropy of softmax(logits / temperature), in nats (magrpo/vocab.py)."""
+    return vocab.entropy(logits, temperature)
 
 
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:

@@ -125,13 +125,11 @@ def forward_logprobs(model: torch.nn.Module, batch: PackedBatch, temperature: fl
     else:
         decoder, head = split
         logits = head(_completion_outputs(decoder, batch, "last_hidden_state")[keep])  # (N, V): model tokens only
-    if temperature != 1.0:
-        logits = logits.float() / temperature
-    picked = gather_logprobs(logits, batch.targets[keep])
+    picked = gather_logprobs(logits, batch.targets[keep], temperature)
     logp = picked.new_zeros(keep.shape).masked_scatter(keep, picked)
     if not with_entropy:
         return logp, None
-    entropy = token_entropy(logits if entropy_grad else logits.detach())
+    entropy = token_entropy(logits if entropy_grad else logits.detach(), temperature)
     return logp, entropy.new_zeros(keep.shape).masked_scatter(keep, entropy)
 
 
