@@ -73,6 +73,11 @@ class Sizes:
     checkpoint_every: int = 2
     temperature: float = 0.7
     top_p: float = 0.9
+    # reward.team_weight of the arms with 2 agents: each solver is paid half its own score. At 1 (the team
+    # reward alone) nothing the solver writes at turn 1 reaches the reward (the checker answers alone
+    # there), and method seed 0 (2026-11-28) trained it into replies of a lone random number: its own
+    # held-out score fell from 0.40 to 0.04 (docs/results/reasoning_learning.md, "Run 1").
+    team_weight: float = 0.5
 
     @property
     def runs(self) -> list[tuple[str, int]]:
@@ -120,7 +125,12 @@ def overrides(name: str, seed: int, sizes: Sizes, run_dir: Path) -> list[str]:
         "eval.at_start=false", "eval.at_end=true", f"eval.every={sizes.eval_every}", "eval.max_problems=0",
         f"eval.num_samples={sizes.eval_samples}", f"logging.run_dir='{run_dir}'", "logging.wandb.mode=disabled",
         "logging.samples_every=0", "resume=auto", f"checkpoint.every={sizes.checkpoint_every}",
+        *([f"reward.team_weight={sizes.team_weight}"] if arm.agents > 1 else []),
     ]
+
+
+# Settings that change training but not an untrained evaluation (its greedy paths and the team's score)
+TRAINING_ONLY = ("reward.team_weight=",)
 
 
 def run(sizes: Sizes, out: Path, arms: Sequence[str]) -> list[Path]:
@@ -192,7 +202,8 @@ def evaluate_untrained(sizes: Sizes, out: Path, arms: Sequence[str]) -> list[Pat
 
 def check_same_untrained(record: Path, argv: Sequence[str]) -> None:
     """A kept untrained evaluation must have had these settings."""
-    differ = sorted(set(json.loads(record.read_text())["overrides"]) ^ set(argv))
+    differ = sorted(key for key in set(json.loads(record.read_text())["overrides"]) ^ set(argv)
+                    if not key.startswith(TRAINING_ONLY))
     if differ:
         raise SystemExit(f"untrained: {record} was evaluated with other settings ({', '.join(differ[:4])}); "
                          f"pass another --out (or the options it had)")

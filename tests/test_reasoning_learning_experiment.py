@@ -32,6 +32,24 @@ def test_every_arm_samples_the_methods_completions_per_step(exp, sizes, tmp_path
     assert set(per_step.values()) == {per_step[exp.METHOD]}, per_step  # equal, not only "at least"
 
 
+def test_solvers_are_paid_their_own_score_and_an_untrained_record_does_not_care(exp, tmp_path):
+    """With the team reward alone a solver's turn-1 reply never reaches the reward (the checker answers
+    alone): the 2-agent arms pay each agent half its own score. That setting does not change an untrained
+    evaluation, so a record made without it is kept."""
+    from magrpo.cli import compose
+
+    for name, arm in exp.ARMS.items():
+        cfg = compose(exp.overrides(name, 0, exp.FULL, tmp_path / name))
+        assert cfg.reward.team_weight == (0.5 if arm.agents > 1 else 1.0)
+    argv = exp.overrides(exp.METHOD, 0, exp.FULL, tmp_path / "u")
+    record = tmp_path / "method.json"
+    record.write_text(json.dumps({"overrides": [a for a in argv if not a.startswith("reward.team_weight")]}))
+    exp.check_same_untrained(record, argv)  # kept
+    record.write_text(json.dumps({"overrides": [a for a in argv if not a.startswith("trainer.lr")]}))
+    with pytest.raises(SystemExit, match="other settings"):
+        exp.check_same_untrained(record, argv)
+
+
 def test_held_out_problems_never_are_train_problems(exp, tmp_path):
     """The full size's splits, as each arm's run builds them: other seeds, no shared question, >= 216."""
     from magrpo.cli import compose
