@@ -5,6 +5,8 @@ memory bandwidth and matrix rate, and what they take.
     python bench/bench_roofline.py --model smollm2-135m --rows 32    # SmolLM2-135M (~1 min on 2 cores)
     python bench/bench_roofline.py --model smollm2-135m --dtype bfloat16 --attention sdpa magrpo_sdpa --pairs 3
                                      # before / after magrpo/attention.py, alternating in one process
+    python bench/bench_roofline.py --model smollm2-135m --dtype bfloat16 --lora-matmul-dtype float32 model --pairs 3
+                                     # the update pass with lora.matmul_dtype float32 / model, alternating
 
 The machine, measured here first (best of several repeats, torch's own threads):
 * bandwidth: a copy of a 256 MB tensor (read + write = 2 x 256 MB moved);
@@ -130,7 +132,7 @@ def measure_decode(agents, rows: int, prompt: int, steps: tuple[int, int]) -> fl
     return (best(lambda: run(long), 2) - best(lambda: run(short), 2)) / (long - short)
 
 
-def measure_update(agents, rows: int, prompt: int, tokens: int) -> float:
+def measure_update(agents, rows: int, prompt: int, tokens: int, lora_in_model_dtype: bool = False) -> float:
     """Seconds for one forward with gradients and backward over `rows` completions (one micro-batch)."""
     from magrpo.update import TrainSample, forward_logprobs, pack
 
@@ -141,7 +143,7 @@ def measure_update(agents, rows: int, prompt: int, tokens: int) -> float:
     batch = pack(samples, 0)
 
     def step() -> None:
-        logprobs, _ = forward_logprobs(model, batch)
+        logprobs, _ = forward_logprobs(model, batch, lora_in_model_dtype=lora_in_model_dtype)
         logprobs[batch.target_mask].sum().backward()
         model.zero_grad(set_to_none=True)
 
@@ -160,9 +162,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, nargs=2, default=(4, 20), help="decode steps of the short and long run")
     parser.add_argument("--attention", nargs="+", help="attention implementations to time the decode step with, "
                         "in turn (sdpa: transformers' own; magrpo_sdpa: magrpo/attention.py, what magrpo loads)")
-    parser.add_argument("--pairs", type=int, default=1, help="rounds of the --attention implementations in turn")
+    parser.add_argument("--pairs", type=int, default=1, help="rounds of the --attention implementations and the "
+                        "--lora-matmul-dtype values, each in turn")
     parser.add_argument("--cpu-memory", default="system", help="model.cpu_memory: system (glibc's own malloc "
                         "settings, magrpo's default) | keep (compare the two in separate processes, in turn)")
+    parser.add_argument("--lora-matmul-dtype", nargs="+", default=["float32"], choices=["float32", "model"],
+                        help="lora.matmul_dtype of the update pass, each in turn for --pairs rounds (float32: the "
+                        "default; model: the LoRA products in the model's dtype)")
     args = parser.parse_args(argv)
 
     from magrpo.cli import compose
@@ -190,8 +196,11 @@ def main(argv: list[str] | None = None) -> None:
                 decode_s = measure_decode(agents, args.rows, args.prompt, tuple(args.steps))
                 rows.append((f"decode, {impl}", *decode_cost(s, c, args.rows, context, dtype_bytes), decode_s))
     base.set_attn_implementation(loaded)
-    update_s = measure_update(agents, args.rows, args.prompt, args.tokens)
-    rows.append(("update pass", *update_cost(s, c, args.rows, args.prompt, args.tokens), update_s))
+    for _ in range(args.pairs):
+        for lora_dtype in args.lora_matmul_dtype:
+            update_s = measure_update(agents, args.rows, args.prompt, args.tokens, lora_dtype == "model")
+            name = "update pass" + ("" if args.lora_matmul_dtype == ["float32"] else f", lora {lora_dtype}")
+            rows.append((name, *update_cost(s, c, args.rows, args.prompt, args.tokens), update_s))
 
     print(f"machine: {torch.get_num_threads()} threads, copy bandwidth {box['bandwidth'] / 1e9:.1f} GB/s, "
           f"{args.dtype} matmul {box['matmul'] / 1e9:.1f} GFLOP/s")

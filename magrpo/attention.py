@@ -44,8 +44,9 @@ def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=No
     if update and query.device.type == "cpu" and query.dtype in REDUCED:
         if attention_mask is not None and attention_mask.dtype != torch.bool:
             attention_mask = attention_mask.float()
-        out, weights = sdpa_attention_forward(module, query.float(), key.float(), value.float(), attention_mask,
-                                              dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)
+        with torch.autocast("cpu", enabled=False):  # under lora.matmul_dtype=model's autocast SDPA would be bf16
+            out, weights = sdpa_attention_forward(module, query.float(), key.float(), value.float(), attention_mask,
+                                                  dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)
         return out.to(query.dtype), weights
     if (update or positions != 1 or query.device.type != "cpu" or query.dtype not in REDUCED or dropout
             or kwargs.get("position_bias") is not None or heads % kv_heads):

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import torch
 
@@ -110,21 +112,39 @@ def _decoder_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn
     return (model.get_decoder(), head) if head is not None else None
 
 
+@contextmanager
+def lora_matmuls(model: torch.nn.Module, in_model_dtype: bool) -> Iterator[None]:
+    """lora.matmul_dtype=model: a reduced-precision model's forward under torch.autocast in its dtype, with peft's
+    casts of each adapted layer's input to the adapters' float32 switched off, so the LoRA products run in the
+    model's dtype (the adapters and their gradients stay float32). Otherwise, on a float32 model and on one
+    without adapters (finetune=full: its products are in its dtype already), nothing."""
+    dtype = next(model.parameters()).dtype  # the base model's: its embedding comes first
+    if not in_model_dtype or dtype not in (torch.bfloat16, torch.float16) or not hasattr(model, "peft_config"):
+        yield
+        return
+    from peft.helpers import disable_input_dtype_casting
+
+    with disable_input_dtype_casting(model), torch.autocast(next(model.parameters()).device.type, dtype=dtype):
+        yield
+
+
 def forward_logprobs(model: torch.nn.Module, batch: PackedBatch, temperature: float = 1.0, with_entropy: bool = False,
-                     entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     entropy_grad: bool = False, lora_in_model_dtype: bool = False,
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(R, C) log p(completion token t | prompt, tokens < t) under the sampling temperature (logits /
     temperature, as the tokens were drawn; TRL and verl score the same way); read with
     batch.target_mask, and 0 where it is False. Logits, log-softmax and entropy are computed at the
     model's own tokens only: prompts, padding and inserted tokens (a tool's output) cost no lm_head or
     softmax work. With `with_entropy`, also the (R, C) policy entropy per position (with its gradient
-    when entropy_grad: the entropy bonus)."""
+    when entropy_grad: the entropy bonus). `lora_in_model_dtype`: lora.matmul_dtype=model (`lora_matmuls`)."""
     split = _decoder_and_head(model)
     keep = batch.target_mask
-    if split is None:  # the model's whole forward, logits at every completion position
-        logits = _completion_outputs(model, batch, "logits", logits_to_keep=1)[keep]
-    else:
-        decoder, head = split
-        logits = head(_completion_outputs(decoder, batch, "last_hidden_state")[keep])  # (N, V): model tokens only
+    with lora_matmuls(model, lora_in_model_dtype):
+        if split is None:  # the model's whole forward, logits at every completion position
+            logits = _completion_outputs(model, batch, "logits", logits_to_keep=1)[keep]
+        else:
+            decoder, head = split
+            logits = head(_completion_outputs(decoder, batch, "last_hidden_state")[keep])  # (N, V): model tokens only
     picked = gather_logprobs(logits, batch.targets[keep], temperature)
     logp = picked.new_zeros(keep.shape).masked_scatter(keep, picked)
     if not with_entropy:
@@ -209,6 +229,7 @@ class UpdateSettings:
     max_grad_norm: float
     tis_cap: float
     temperature: float  # the sampling temperature: log-probs are scored under it
+    lora_in_model_dtype: bool = False  # lora.matmul_dtype=model
 
     @property
     def per_token_coef(self) -> float:
@@ -221,7 +242,8 @@ class UpdateSettings:
         trainer = cfg.trainer
         return cls(loss=LossSettings.of(cfg), loss_agg=trainer.loss_agg, max_new_tokens=cfg.generation.max_new_tokens,
                    ppo_epochs=trainer.ppo_epochs, max_grad_norm=trainer.max_grad_norm, tis_cap=trainer.tis_cap,
-                   temperature=temperature or cfg.generation.temperature)
+                   temperature=temperature or cfg.generation.temperature,
+                   lora_in_model_dtype=cfg.lora.matmul_dtype == "model")
 
 
 @dataclass
@@ -322,11 +344,11 @@ class AgentUpdater:
         adv = torch.tensor([samples[i].advantage for i in rows], dtype=torch.float32, device=device)
         bonus = s.loss.entropy_coef > 0  # the entropy bonus needs the entropy, with its gradient, every epoch
         logp, entropy = forward_logprobs(model, batch, s.temperature, with_entropy=epoch == 0 or bonus,
-                                         entropy_grad=bonus)
+                                         entropy_grad=bonus, lora_in_model_dtype=s.lora_in_model_dtype)
         if epoch == 0:  # parameters have not moved yet: these are the behaviour log-probs
             first.entropy_sum += float((entropy.detach() * batch.target_mask).sum())
             first.old_logps.append(logp.detach())
-            first.ref_logps.append(self._reference_logprobs(batch, s.temperature) if s.loss.kl_coef > 0 else None)
+            first.ref_logps.append(self._reference_logprobs(batch, s) if s.loss.kl_coef > 0 else None)
             weight, seen = importance_weights(logp.detach(), [samples[i] for i in rows], batch.target_mask, s.tis_cap)
             first.is_weights.append(weight)
             for key, value in seen.items():
@@ -364,6 +386,6 @@ class AgentUpdater:
             offset += p.numel()
 
     @torch.no_grad()
-    def _reference_logprobs(self, batch: PackedBatch, temperature: float) -> torch.Tensor:
-        with self.agent.reference_model() as reference:
-            return forward_logprobs(reference, batch, temperature)[0]
+    def _reference_logprobs(self, batch: PackedBatch, s: UpdateSettings) -> torch.Tensor:
+        with self.agent.reference_model() as reference:  # computed as the policy's (lora.matmul_dtype too)
+            return forward_logprobs(reference, batch, s.temperature, lora_in_model_dtype=s.lora_in_model_dtype)[0]

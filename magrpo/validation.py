@@ -125,6 +125,7 @@ def validate(cfg: TrainConfig) -> None:
     above("lora.alpha", cfg.lora.alpha, 0)
     if not cfg.lora.target_modules:
         raise ConfigError("lora.target_modules", "must name at least one module (or [all-linear])")
+    choice("lora.matmul_dtype", cfg.lora.matmul_dtype, ["float32", "model"])
     if not 0 <= cfg.lora.dropout < 1:
         raise ConfigError("lora.dropout", f"must be in [0, 1), got {cfg.lora.dropout}")
     check_agent_entries(cfg)
