@@ -118,13 +118,13 @@ def lora_matmuls(model: torch.nn.Module, in_model_dtype: bool) -> Iterator[None]
     casts of each adapted layer's input to the adapters' float32 switched off, so the LoRA products run in the
     model's dtype (the adapters and their gradients stay float32). Otherwise, on a float32 model and on one
     without adapters (finetune=full: its products are in its dtype already), nothing."""
-    dtype = next(model.parameters()).dtype  # the base model's: its embedding comes first
-    if not in_model_dtype or dtype not in (torch.bfloat16, torch.float16) or not hasattr(model, "peft_config"):
+    first = next(model.parameters())  # the base model's embedding: its dtype and device
+    if not in_model_dtype or first.dtype not in attention.REDUCED or not hasattr(model, "peft_config"):
         yield
         return
     from peft.helpers import disable_input_dtype_casting
 
-    with disable_input_dtype_casting(model), torch.autocast(next(model.parameters()).device.type, dtype=dtype):
+    with disable_input_dtype_casting(model), torch.autocast(first.device.type, dtype=first.dtype):
         yield
 
 

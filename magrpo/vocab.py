@@ -38,6 +38,11 @@ def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return x / temperature if temperature != 1.0 else x
 
 
+def _entropy_of(x: torch.Tensor) -> torch.Tensor:
+    """(..., V) float32 scaled logits -> (...) entropy of their softmax."""
+    return torch.logsumexp(x, dim=-1) - (x.softmax(-1) * x).sum(-1)
+
+
 class _TargetLogprobs(torch.autograd.Function):
     """(N, V) logits, (N,) targets -> (N,) float32 log-softmax(logits / T)[target]."""
 
@@ -80,12 +85,10 @@ def entropy(logits: torch.Tensor, temperature: float = 1.0, chunk_bytes: int = C
     """logits (..., V) -> (...) float32 entropy of softmax(logits / temperature), in nats. Chunked and
     without a gradient when the logits need none; else the plain autograd formula (an entropy bonus)."""
     if logits.requires_grad and torch.is_grad_enabled():
-        x = _scaled(logits, temperature)
-        return torch.logsumexp(x, dim=-1) - (x.softmax(-1) * x).sum(-1)
+        return _entropy_of(_scaled(logits, temperature))
     flat = logits.reshape(-1, logits.shape[-1])
     out = torch.empty(flat.shape[0], dtype=torch.float32, device=logits.device)
     with torch.no_grad():
         for rows in _chunks(flat.shape[0], flat.shape[1], chunk_bytes):
-            x = _scaled(flat[rows], temperature)
-            out[rows] = torch.logsumexp(x, dim=-1) - (x.softmax(-1) * x).sum(-1)
+            out[rows] = _entropy_of(_scaled(flat[rows], temperature))
     return out.reshape(logits.shape[:-1])
