@@ -112,8 +112,9 @@ def update_cost(s: dict, c: dict, rows: int, prompt: int, tokens: int) -> tuple[
     return 2 * c["weight_bytes"], flops
 
 
-def measure_decode(agents, rows: int, prompt: int, steps: tuple[int, int]) -> float:
-    """Seconds per decode step of magrpo's loop (two lengths, the prefill cancels out)."""
+def measure_decode(agents, rows: int, prompt: int, steps: tuple[int, int], linears=None) -> float:
+    """Seconds per decode step of magrpo's loop (two lengths, the prefill cancels out); `linears`: the
+    model's PackedLinears (model.cpu_weights=packed) or None (plain)."""
     from magrpo.backends.hf import RowAdapters, decode
     from magrpo.generation import SamplingParams
 
@@ -126,7 +127,7 @@ def measure_decode(agents, rows: int, prompt: int, steps: tuple[int, int]) -> fl
 
     def run(n: int) -> None:
         decode(model, ids, adapters, expand, SamplingParams(max_new_tokens=n), keys, pad_id=0, eos_ids=[-1],
-               routing=routing)
+               routing=routing, linears=linears)
 
     short, long = steps
     return (best(lambda: run(long), 2) - best(lambda: run(short), 2)) / (long - short)
@@ -162,8 +163,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, nargs=2, default=(4, 20), help="decode steps of the short and long run")
     parser.add_argument("--attention", nargs="+", help="attention implementations to time the decode step with, "
                         "in turn (sdpa: transformers' own; magrpo_sdpa: magrpo/attention.py, what magrpo loads)")
-    parser.add_argument("--pairs", type=int, default=1, help="rounds of the --attention implementations and the "
-                        "--lora-matmul-dtype values, each in turn")
+    parser.add_argument("--cpu-weights", nargs="+", default=["packed"], choices=["packed", "plain"],
+                        help="model.cpu_weights of the decode step, each in turn for --pairs rounds (packed: the "
+                        "default; plain: oneDNN reorders each bfloat16 weight at every product)")
+    parser.add_argument("--pairs", type=int, default=1, help="rounds of the --attention implementations, the "
+                        "--cpu-weights and the --lora-matmul-dtype values, each in turn")
     parser.add_argument("--cpu-memory", default="system", help="model.cpu_memory: system (glibc's own malloc "
                         "settings, magrpo's default) | keep (compare the two in separate processes, in turn)")
     parser.add_argument("--lora-matmul-dtype", nargs="+", default=["float32"], choices=["float32", "model"],
@@ -171,6 +175,7 @@ def main(argv: list[str] | None = None) -> None:
                         "default; model: the LoRA products in the model's dtype)")
     args = parser.parse_args(argv)
 
+    from magrpo.backends.hf_linear import PackedLinears
     from magrpo.cli import compose
     from magrpo.models import load_agents
 
@@ -189,12 +194,15 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     base = agents[0].model.get_base_model()
     loaded = base.config._attn_implementation
+    linears = {"packed": PackedLinears(agents[0].model), "plain": None}  # packed once, kept across rounds
     with torch.no_grad():
         for _ in range(args.pairs):  # in turn, so a drift of the machine's load hits each alike
             for impl in args.attention or [loaded]:
                 base.set_attn_implementation(impl)
-                decode_s = measure_decode(agents, args.rows, args.prompt, tuple(args.steps))
-                rows.append((f"decode, {impl}", *decode_cost(s, c, args.rows, context, dtype_bytes), decode_s))
+                for weights in args.cpu_weights:
+                    decode_s = measure_decode(agents, args.rows, args.prompt, tuple(args.steps), linears[weights])
+                    name = f"decode, {impl}" + ("" if args.cpu_weights == ["packed"] else f", {weights}")
+                    rows.append((name, *decode_cost(s, c, args.rows, context, dtype_bytes), decode_s))
     base.set_attn_implementation(loaded)
     for _ in range(args.pairs):
         for lora_dtype in args.lora_matmul_dtype:
@@ -206,11 +214,11 @@ def main(argv: list[str] | None = None) -> None:
           f"{args.dtype} matmul {box['matmul'] / 1e9:.1f} GFLOP/s")
     print(f"model: {args.model} ({c['weight_bytes'] / 1e6:.1f} MB of weights, {c['linear'] / 1e6:.2f}M matmul "
           f"parameters), {args.rows} rows, prompt {args.prompt}, {args.dtype}, cpu_memory={args.cpu_memory}")
-    print(f"{'':20} {'MB moved':>9} {'GFLOP':>8} {'bw bound ms':>11} {'flop bound ms':>13} {'measured ms':>11} "
+    print(f"{'':28} {'MB moved':>9} {'GFLOP':>8} {'bw bound ms':>11} {'flop bound ms':>13} {'measured ms':>11} "
           f"{'roofline share':>14}")
     for name, moved, flops, seconds in rows:
         by_bytes, by_flops = moved / box["bandwidth"], flops / box["matmul"]
-        print(f"{name:20} {moved / 1e6:9.1f} {flops / 1e9:8.2f} {by_bytes * 1e3:11.2f} {by_flops * 1e3:13.2f} "
+        print(f"{name:28} {moved / 1e6:9.1f} {flops / 1e9:8.2f} {by_bytes * 1e3:11.2f} {by_flops * 1e3:13.2f} "
               f"{seconds * 1e3:11.2f} {max(by_bytes, by_flops) / seconds:13.1%}")
 
 

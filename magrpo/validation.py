@@ -132,6 +132,7 @@ def validate(cfg: TrainConfig) -> None:
     choice("model.dtype", cfg.model.dtype, ["auto", "bfloat16", "float16", "float32"])
     choice("model.chat_template", cfg.model.chat_template, ["auto", "never"])
     choice("model.cpu_memory", cfg.model.cpu_memory, ["keep", "system"])
+    choice("model.cpu_weights", cfg.model.cpu_weights, ["packed", "plain"])
     _check_device(cfg.model.device)
     at_least("model.tiny_layers", cfg.model.tiny_layers, 1)
     if cfg.model.tiny_hidden_size < 8 or cfg.model.tiny_hidden_size % 8:  # 4 heads with an even head size (RoPE)

@@ -22,19 +22,22 @@ from ..models import Agent, cache_keyword
 from ..sampling import sample, sampling_logprobs, stream_key, stream_uniforms
 from ..tree import Completion
 from .base import encode_requests
+from .hf_linear import PackedLinears
 from .hf_resume import KeptBatch, KeptStates, RowState, kept_batch, plain_layers, resumed_inputs
 
 
 class HFBackend:
     batch_setting = "generation.max_batch_rows"  # what halve_batch lowers
 
-    def __init__(self, agents: Sequence[Agent], max_batch_rows: int = 0):
+    def __init__(self, agents: Sequence[Agent], max_batch_rows: int = 0, packed_weights: bool = True):
         self.agents = list(agents)
         self.max_batch_rows = max_batch_rows  # 0 = everything in one call
+        self.packed_weights = packed_weights  # model.cpu_weights=packed: frozen bf16 weights packed for decode
         self.generate_calls = 0
         self.generated_tokens = 0
         self.largest_chunk = 0  # rows of the biggest decode so far (what an out-of-memory halves)
         self.routing: dict[int, RowAdapters] = {}  # per base model: its LoRA layers, found once
+        self.linears: dict[int, PackedLinears] = {}  # per base model: its packed frozen weights
         self.kept = KeptStates()  # the last call's unfinished rows' KV caches, when it was resumable
 
     def halve_batch(self) -> int:
@@ -87,6 +90,11 @@ class HFBackend:
             self.routing[id(model)] = RowAdapters(model)
         return self.routing[id(model)]
 
+    def _linears(self, model: torch.nn.Module) -> PackedLinears:
+        if id(model) not in self.linears:
+            self.linears[id(model)] = PackedLinears(model, self.packed_weights)
+        return self.linears[id(model)]
+
     def _generate_rows(self, requests, rows: list[int], keys: list[int], prompt_ids: dict[int, list[int]],
                        params: SamplingParams, kept: KeptStates):
         first = self.agents[requests[rows[0]].agent]
@@ -111,6 +119,7 @@ class HFBackend:
             pad_id=tok.pad_token_id,
             eos_ids=eos,
             routing=self._routing(model),
+            linears=self._linears(model),
             stop=check,
             kept=[kept.find(requests[r].agent, prompt_ids[r]) for r in unique] if len(kept) else None,
             keep_states=params.resumable,
@@ -267,6 +276,7 @@ def decode(
     eos_ids: list[int],
     drop_finished: bool = True,
     routing: RowAdapters | None = None,
+    linears: PackedLinears | None = None,
     stop: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     kept: list[RowState | None] | None = None,
     keep_states: bool = False,
@@ -281,7 +291,8 @@ def decode(
     Rows that finished leave the batch once a quarter of it has (`drop_finished`): the other rows
     keep their random streams, so their tokens stay the same (their logits may move by float
     rounding, ~1e-6, where a smaller batch's matrix products sum in another order). `routing`: the
-    model's RowAdapters, when the caller keeps one across calls. `stop`: given batch rows (indices into
+    model's RowAdapters, when the caller keeps one across calls. `linears`: the model's PackedLinears (the
+    same bits, faster products; None: plain weights). `stop`: given batch rows (indices into
     `expand`) and their tokens so far, which of them end here though no EOS came (a stop string, kept in
     the tokens).
     `kept`: per prompt, a state of an earlier call whose tokens begin it (or None): only the rest of
@@ -312,7 +323,7 @@ def decode(
     uniforms = None if params.greedy else stream_uniforms(stream_keys, torch.arange(steps, device=device))
     finished = torch.zeros(len(expand), dtype=torch.bool, device=device)  # per batch row
     states = {} if keep_states else None
-    with (routing or RowAdapters(model)).active() as routing:
+    with (routing or RowAdapters(model)).active() as routing, (linears or PackedLinears(model, False)).active():
         positions = (attention.cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1] :]  # after a kept state: from it on
         with contiguous_head_input(model):
             out = model(input_ids=ids, attention_mask=attention, position_ids=positions,
