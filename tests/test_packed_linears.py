@@ -110,3 +110,11 @@ def test_a_strided_input_multiplies_plain():
     with torch.no_grad(), linears.active() as used:
         assert used == 1
         assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+
+
+def test_a_bad_value_is_one_line_naming_the_allowed_values(run_cli):
+    from tests.conftest import SMALL
+
+    code, lines = run_cli(*SMALL, "model.cpu_weights=blocked")
+    assert code == 2 and lines == ["config error: model.cpu_weights: 'blocked' is not allowed; choose one of: "
+                                   "packed, plain"]
