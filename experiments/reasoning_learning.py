@@ -420,9 +420,17 @@ def durations(runs: Runs) -> str:
             steps = [r["perf/step_s"] for r in records if "perf/step_s" in r]
             evals = [r["perf/eval_s"] for r in records if "perf/eval_s" in r]
             load = ", ".join(f"{x:.1f}" for x in info.get("load_average", ()))
-            lines.append(f"| {name} | {seed} | {info['seconds'] / 60:.1f} | {_mean(steps)} | {_mean(evals)} | "
+            minutes = run_seconds(records, info) / 60
+            lines.append(f"| {name} | {seed} | {minutes:.1f} | {_mean(steps)} | {_mean(evals)} | "
                          f"{info.get('dtype', '?')} | {info.get('torch_threads', '?')} | {load or '?'} |")
     return "\n".join(lines) + "\n"
+
+
+def run_seconds(records: list[dict], info: dict) -> float:
+    """A run's time: experiment.json's wall time of the job that finished it or, for a run resumed across jobs
+    (that job's time is only its last part), the seconds its metrics logged for every step and evaluation."""
+    logged = sum(r.get("perf/step_s", 0.0) + r.get("perf/eval_s", 0.0) for r in records if r.get("step", 0) >= 1)
+    return max(info["seconds"], logged)
 
 
 def _mean(values: Sequence[float]) -> str:
@@ -437,7 +445,7 @@ def report(out: Path, doc: Path, image: Path) -> str:
     plot(runs, image)
     infos = [i for seeds in runs.values() for _, i in seeds.values()]
     dates = sorted(i["date"] for i in infos)
-    hours = sum(i["seconds"] for i in infos) / 3600
+    hours = sum(run_seconds(records, i) for seeds in runs.values() for records, i in seeds.values()) / 3600
     head = [f"**Headline:** {headline(runs)}", "",
             f"Runs finished between {dates[0]} and {dates[-1]} on {'; '.join(sorted({i['machine'] for i in infos}))}. "
             f"Time: {len(infos)} runs, {hours:.2f} h in all.", f"Sizes: {json.dumps(infos[0]['sizes'])}.", "",

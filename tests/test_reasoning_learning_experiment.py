@@ -147,6 +147,16 @@ def test_report_gain_against_two_standard_errors_and_the_best_baseline(exp, tmp_
     assert "test machine" in text and "- one_turn: `model=tiny trainer.batch_size=2 trainer.seed=0`" in text
 
 
+def test_a_run_resumed_across_jobs_counts_the_time_of_every_job(exp, tmp_path):
+    """experiment.json holds the wall time of the job that finished a run; a run resumed across jobs logged
+    the earlier jobs' steps and evaluations in its metrics (here 62 s against the last job's 30 s)."""
+    write_run(tmp_path, "method", 0, 0.28, 0.40)
+    info_path = tmp_path / "runs" / "method" / "seed0" / "experiment.json"
+    info_path.write_text(json.dumps({**json.loads(info_path.read_text()), "seconds": 30.0}))
+    text = exp.report(tmp_path, tmp_path / "results.md", tmp_path / "results.png")
+    assert "| method | 0 | 1.0 | 2 | 60 |" in text and "Time: 1 runs, 0.02 h in all." in text
+
+
 def test_headline_says_when_the_gain_is_within_two_standard_errors(exp, tmp_path):
     for seed, (before, after) in enumerate([(0.28, 0.28), (0.28, 0.40), (0.28, 0.28)]):  # mean +0.04, SE 0.04
         write_run(tmp_path, "method", seed, before, after, samples=0)
