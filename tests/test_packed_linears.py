@@ -118,3 +118,21 @@ def test_a_bad_value_is_one_line_naming_the_allowed_values(run_cli):
     code, lines = run_cli(*SMALL, "model.cpu_weights=blocked")
     assert code == 2 and lines == ["config error: model.cpu_weights: 'blocked' is not allowed; choose one of: "
                                    "packed, plain"]
+
+
+@pytest.mark.skipif(not bf16_reorder_here(), reason="this CPU's oneDNN has no bfloat16 reorder")
+def test_only_products_of_the_probed_sizes_multiply_packed(monkeypatch):
+    """The probe vouches for 1 to 64 rows: a larger product (a prefill's) takes F.linear."""
+    layer = torch.nn.Linear(64, 32).to(torch.bfloat16).requires_grad_(False)
+    linears = PackedLinears(layer)
+    with torch.no_grad(), linears.active() as used:
+        assert used == 1
+
+        def packed_called(*args):
+            raise AssertionError("packed product")
+
+        monkeypatch.setattr(hf_linear, "_packed_product", packed_called)
+        x = torch.randn(100, 1, 64).to(torch.bfloat16)
+        assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+        with pytest.raises(AssertionError, match="packed product"):
+            layer(x[:64])

@@ -11,8 +11,9 @@ layer multiplies with the packed copy. The cost is a second copy of those weight
 Each weight is packed only if, on this machine, the packed product gives the same bits as `F.linear` on
 a set of probe shapes (1 to 64 contiguous rows): true on the AVX512-BF16 CPU measured; oneDNN without a
 bfloat16 instruction set rounded the 49152-word head differently at some row counts, and there the
-weight stays plain. A strided input (F.linear with a bias rounds it otherwise), a product that asks for
-gradients, trained weights (full agents), other dtypes and other devices always take F.linear.
+weight stays plain. A product of more than 64 rows (a prefill's, where the reorder matters little), a
+strided input (F.linear with a bias rounds it otherwise), a product that asks for gradients, trained
+weights (full agents), other dtypes and other devices always take F.linear.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 PROBE_ROWS = (1, 3, 8, 31, 32, 64)  # decode batches of every size class oneDNN may pick a kernel for
+MAX_ROWS = max(PROBE_ROWS)  # larger products (a prefill's) take F.linear: no probe vouches for their bits
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor | None:
@@ -90,6 +92,7 @@ class PackedLinears:
 
     @staticmethod
     def _forward(layer: torch.nn.Linear, packed: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        if torch.is_grad_enabled() or x.dtype != torch.bfloat16 or x.device.type != "cpu" or not x.is_contiguous():
+        if (torch.is_grad_enabled() or x.dtype != torch.bfloat16 or x.device.type != "cpu" or not x.is_contiguous()
+                or x.numel() > MAX_ROWS * layer.in_features):
             return F.linear(x, layer.weight, layer.bias)  # F.linear with a bias rounds a strided input otherwise
         return _packed_product(x, packed, layer.bias)
