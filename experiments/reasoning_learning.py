@@ -90,7 +90,10 @@ class Sizes:
 # method step of 2 trees took ~15 min and a greedy held-out evaluation of its team on 216 problems ~1.5 h (a
 # sampled pass costs ~5x a greedy one: none by default). 12 steps, evaluated after step 6 and step 12: a method
 # run is ~6 h there, so it spans three ~2.5-hour jobs; a checkpoint after every step loses at most one.
-FULL = Sizes("smollm2-135m", steps=12, batch_size=2, k=4, max_new_tokens=128, lr=5e-4, train_size=128,
+# lr 1e-4 for every arm: at 5e-4 (easy_learning's) the method's two agents shrank their replies and lost most of
+# their entropy within 12 steps (method seed 0, 2026-11-28); at 1e-4 the same run kept both
+# (docs/results/reasoning_learning.md, "Runs 2 and 3"). The single agent had learned at 5e-4; all arms move.
+FULL = Sizes("smollm2-135m", steps=12, batch_size=2, k=4, max_new_tokens=128, lr=1e-4, train_size=128,
              eval_size=216, eval_samples=0, eval_every=6, checkpoint_every=1,
              seeds={METHOD: (0, 1, 2), "single_agent": (0, 1, 2), "one_turn": (0, 1, 2)})
 SMOKE = Sizes("tiny", steps=2, batch_size=1, k=2, max_new_tokens=8, lr=1e-4, train_size=8, eval_size=3,
@@ -130,7 +133,7 @@ def overrides(name: str, seed: int, sizes: Sizes, run_dir: Path) -> list[str]:
 
 
 # Settings that change training but not an untrained evaluation (its greedy paths and the team's score)
-TRAINING_ONLY = ("reward.team_weight=",)
+TRAINING_ONLY = ("reward.team_weight=", "trainer.lr=")
 
 
 def run(sizes: Sizes, out: Path, arms: Sequence[str]) -> list[Path]:
@@ -488,13 +491,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--eval-samples", type=int, default=None, help=f"default {FULL.eval_samples}")
     parser.add_argument("--batch-size", type=int, default=None, help=f"the method's trees per step "
                         f"(default {FULL.batch_size}; the other arms are scaled to its completions)")
+    parser.add_argument("--lr", type=float, default=None, help=f"trainer.lr of every arm (default {FULL.lr})")
     parser.add_argument("--device", default=None, help="model.device (default auto)")
     parser.add_argument("--doc", type=Path, default=None, help="results Markdown (default OUT/results.md)")
     parser.add_argument("--image", type=Path, default=None, help="plot PNG (default OUT/results.png)")
     args = parser.parse_args(argv)
     sizes = SMOKE if args.smoke else FULL
     for name, value in (("steps", args.steps), ("eval_every", args.eval_every), ("eval_size", args.eval_size),
-                        ("eval_samples", args.eval_samples), ("batch_size", args.batch_size), ("device", args.device)):
+                        ("eval_samples", args.eval_samples), ("batch_size", args.batch_size), ("lr", args.lr),
+                        ("device", args.device)):
         if value is not None:
             sizes = replace(sizes, **{name: value})
     if args.seeds is not None:

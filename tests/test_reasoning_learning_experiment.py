@@ -34,8 +34,8 @@ def test_every_arm_samples_the_methods_completions_per_step(exp, sizes, tmp_path
 
 def test_solvers_are_paid_their_own_score_and_an_untrained_record_does_not_care(exp, tmp_path):
     """With the team reward alone a solver's turn-1 reply never reaches the reward (the checker answers
-    alone): the 2-agent arms pay each agent half its own score. That setting does not change an untrained
-    evaluation, so a record made without it is kept."""
+    alone): the 2-agent arms pay each agent half its own score. That setting and the learning rate do not
+    change an untrained evaluation, so a record made with others is kept; a generation setting does."""
     from magrpo.cli import compose
 
     for name, arm in exp.ARMS.items():
@@ -45,7 +45,10 @@ def test_solvers_are_paid_their_own_score_and_an_untrained_record_does_not_care(
     record = tmp_path / "method.json"
     record.write_text(json.dumps({"overrides": [a for a in argv if not a.startswith("reward.team_weight")]}))
     exp.check_same_untrained(record, argv)  # kept
-    record.write_text(json.dumps({"overrides": [a for a in argv if not a.startswith("trainer.lr")]}))
+    record.write_text(json.dumps({"overrides": [a if not a.startswith("trainer.lr=") else "trainer.lr=0.003"
+                                                for a in argv]}))
+    exp.check_same_untrained(record, argv)  # kept: the runs' learning rate moved after this record was made
+    record.write_text(json.dumps({"overrides": [a for a in argv if not a.startswith("generation.top_p")]}))
     with pytest.raises(SystemExit, match="other settings"):
         exp.check_same_untrained(record, argv)
 
@@ -103,6 +106,8 @@ def test_the_pipeline_on_the_tiny_model_then_a_second_call_keeps_what_finished(e
     for command in ("untrained", "run"):  # a kept evaluation or run must have these settings
         with pytest.raises(SystemExit, match="other settings"):
             exp.main([command, "--smoke", "--out", str(out), "--arms", "method", "--eval-samples", "2"])
+    with pytest.raises(SystemExit, match="other settings"):  # --lr reaches the runs
+        exp.main(["run", "--smoke", "--out", str(out), "--arms", "method", "--lr", "0.001"])
 
 
 def write_run(out, arm: str, seed: int, before: float, after: float, tokens: float = 100.0, samples: int = 1) -> None:
