@@ -42,7 +42,7 @@ def test_a_decode_samples_the_same_tokens_and_log_probs_with_packed_weights(agen
     assert len(linears.layers) > 2  # the base layers of the LoRA modules and the head, all frozen
     plain, packed = run(agents, None), run(agents, linears)
     assert torch.equal(plain.tokens, packed.tokens) and torch.equal(plain.logprobs, packed.logprobs)
-    used = sum(entry[1] is not None for entry in linears.packed.values())
+    used = sum(entry[2] is not None for entry in linears.packed.values())
     if bf16_reorder_here():  # this CPU's oneDNN packs bfloat16: the layers did multiply packed
         assert used > 0
     assert not any("forward" in vars(layer) for layer in linears.layers)  # the plain forward is back
@@ -56,7 +56,7 @@ def test_a_weight_whose_packed_product_rounds_otherwise_stays_plain(agents, monk
     linears = PackedLinears(agents[0].model)
     plain, packed = run(agents, None), run(agents, linears)
     assert torch.equal(plain.tokens, packed.tokens) and torch.equal(plain.logprobs, packed.logprobs)
-    assert linears.packed and all(entry[1] is None for entry in linears.packed.values())
+    assert linears.packed and all(entry[2] is None for entry in linears.packed.values())
 
 
 @pytest.mark.skipif(not bf16_reorder_here(), reason="this CPU's oneDNN has no bfloat16 reorder")
@@ -73,6 +73,27 @@ def test_a_weight_changed_in_place_is_packed_again():
             after = layer(x)
     assert torch.equal(before, F.linear(x, layer.weight / 2, layer.bias))
     assert torch.equal(after, F.linear(x, layer.weight, layer.bias))
+
+
+def test_a_replaced_or_unfrozen_weight_is_not_multiplied_with_a_stale_pack():
+    """A new weight tensor has its own version counter, which may read what the packed one's did: the cache
+    must know it is another tensor. A weight unfrozen later (now trained) multiplies plain."""
+    layer = torch.nn.Linear(64, 32, bias=False).to(torch.bfloat16).requires_grad_(False)
+    linears = PackedLinears(layer)
+    x = torch.randn(5, 1, 64).to(torch.bfloat16)
+    with torch.no_grad():
+        with linears.active():
+            layer(x)
+        version = layer.weight._version
+        layer.weight = torch.nn.Parameter(layer.weight * 2, requires_grad=False)  # a load_state_dict(assign=True)
+        while layer.weight._version < version:
+            layer.weight.add_(0)  # the counters meet (the values stay)
+        assert layer.weight._version == version
+        with linears.active():
+            assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+        layer.weight.requires_grad_(True)
+        with linears.active() as used:
+            assert used == 0
 
 
 def test_with_gradients_asked_for_the_layer_multiplies_plain_and_trains():
@@ -96,7 +117,7 @@ def test_trained_float32_and_switched_off_weights_are_never_packed(make_cfg):
         backend = make_backend(cfg, [agent])
         backend.generate([GenerationRequest("a", 0, 1, seed=1)], SamplingParams(max_new_tokens=2))
         (linears,) = backend.linears.values()
-        packed = [entry for entry in linears.packed.values() if entry[1] is not None]
+        packed = [entry for entry in linears.packed.values() if entry[2] is not None]
         assert (len(packed) > 0) == (setting == "packed" and bf16_reorder_here()), setting
 
 

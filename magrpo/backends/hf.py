@@ -10,7 +10,7 @@ samples and to sample without `torch.multinomial`, both large costs on CPU. A ca
 from __future__ import annotations
 
 from collections import defaultdict
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from functools import lru_cache, partial
 from typing import Callable, Iterator, NamedTuple, Sequence
 
@@ -323,7 +323,7 @@ def decode(
     uniforms = None if params.greedy else stream_uniforms(stream_keys, torch.arange(steps, device=device))
     finished = torch.zeros(len(expand), dtype=torch.bool, device=device)  # per batch row
     states = {} if keep_states else None
-    with (routing or RowAdapters(model)).active() as routing, (linears or PackedLinears(model, False)).active():
+    with (routing or RowAdapters(model)).active() as routing, (linears.active() if linears is not None else nullcontext()):
         positions = (attention.cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1] :]  # after a kept state: from it on
         with contiguous_head_input(model):
             out = model(input_ids=ids, attention_mask=attention, position_ids=positions,

@@ -57,7 +57,9 @@ class PackedLinears:
     def __init__(self, model: torch.nn.Module, enabled: bool = True):
         found = model.modules() if enabled else ()
         self.layers = [m for m in found if type(m) is torch.nn.Linear and self._eligible(m)]
-        self.packed: dict[int, tuple[int, torch.Tensor | None]] = {}  # id(layer) -> (weight version, packed or None)
+        # id(layer) -> (the weight packed, its version then, the packed copy or None). The weight itself is
+        # kept: a new tensor (load_state_dict(assign=True)) may show the old one's version number.
+        self.packed: dict[int, tuple[torch.Tensor, int, torch.Tensor | None]] = {}
 
     @staticmethod
     def _eligible(layer: torch.nn.Linear) -> bool:
@@ -65,14 +67,16 @@ class PackedLinears:
         return w.device.type == "cpu" and w.dtype == torch.bfloat16 and not w.requires_grad
 
     def _current(self, layer: torch.nn.Linear) -> torch.Tensor | None:
-        version = layer.weight._version
+        if not self._eligible(layer):  # unfrozen or moved since: it changes, so it multiplies plain
+            return None
+        weight = layer.weight
         known = self.packed.get(id(layer))
-        if known is None or known[0] != version:
-            packed = _pack(layer.weight)
+        if known is None or known[0] is not weight or known[1] != weight._version:
+            packed = _pack(weight)
             if packed is not None and not same_bits(layer, packed):
                 packed = None
-            known = self.packed[id(layer)] = (version, packed)
-        return known[1]
+            known = self.packed[id(layer)] = (weight, weight._version, packed)
+        return known[2]
 
     @contextmanager
     def active(self) -> Iterator[int]:
