@@ -323,7 +323,8 @@ def decode(
     uniforms = None if params.greedy else stream_uniforms(stream_keys, torch.arange(steps, device=device))
     finished = torch.zeros(len(expand), dtype=torch.bool, device=device)  # per batch row
     states = {} if keep_states else None
-    with (routing or RowAdapters(model)).active() as routing, (linears.active() if linears is not None else nullcontext()):
+    packed = linears.active() if linears is not None else nullcontext()
+    with (routing or RowAdapters(model)).active() as routing, packed:
         positions = (attention.cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1] :]  # after a kept state: from it on
         with contiguous_head_input(model):
             out = model(input_ids=ids, attention_mask=attention, position_ids=positions,
