@@ -2,6 +2,7 @@
 
     python bench/bench_decode_step.py steps      # tiny model: dynamic cache, static cache, compiled (~3 min)
     python bench/bench_decode_step.py prefill    # SmolLM2-135M: a code-env turn-2 prefill, whole and shared
+    python bench/bench_decode_step.py lora-prefill  # SmolLM2-135M, 2 LoRA agents: the hook's buffers reused or fresh
 
 `steps`: the tiny model with two agents' LoRA adapters (routed per row by the HF backend's
 RowAdapters, as in training), a 16-token prompt per row, then 32 greedy decode steps, timed per step
@@ -12,6 +13,12 @@ prints min and median ms per step over repeats and whether the three gave the sa
 `prefill`: SmolLM2-135M prefills of the shapes a code-env tree's second turn needs (8 prompts of
 ~350 tokens: 4 nodes x 2 agents) against the same work with each agent's ~170-token shared prefix run
 once (2 x 170, then 8 x 180), min of 3; plus one decode step at 32 rows for scale. It asserts nothing.
+
+`lora-prefill`: SmolLM2-135M as `model.dtype=auto` loads it (bfloat16 on a CPU with a bf16 fast path) with
+two agents' LoRA adapters (float32, as in training), a routed prefill of --prompts prompts of --length
+tokens, half per agent, as an evaluation's turn 2 runs it: RowAdapters with the batched hook's
+intermediates in reused buffers (what magrpo runs) against fresh tensors, interleaved, min and median
+of --repeats, and whether both gave the same logits bit for bit.
 """
 from __future__ import annotations
 
@@ -111,14 +118,49 @@ def prefill(args) -> None:
         print(f"{'one decode step':<32} 32 rows, 400 cached: min {min(seconds):.3f} s")
 
 
+def lora_prefill(args) -> None:
+    from magrpo.backends.hf import RowAdapters
+    from magrpo.cli import compose
+    from magrpo.models import load_agents
+
+    torch.manual_seed(0)
+    cfg = compose(["model=smollm2-135m", "model.dtype=auto", "model.device=cpu", "env=length_ratio",
+                   "external=length_ratio"])
+    agents = load_agents(cfg, 2)
+    model = agents[0].model.eval()
+    for name, param in model.named_parameters():  # peft starts B at zero: make the adapters change something
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.02)
+    ids = torch.randint(100, 40000, (args.prompts, args.length))
+    rows = [agents[0].adapter] * (args.prompts // 2) + [agents[1].adapter] * (args.prompts - args.prompts // 2)
+    kinds = {"reused buffers": RowAdapters(model), "fresh tensors": RowAdapters(model, reuse_buffers=False)}
+    times: dict[str, list[float]] = {kind: [] for kind in kinds}
+    logits = {}
+    print(f"SmolLM2-135M {next(model.parameters()).dtype}, {torch.get_num_threads()} thread(s), {args.prompts} "
+          f"prompts x {args.length} tokens, torch {torch.__version__}")
+    with torch.no_grad():
+        for _ in range(args.repeats):  # interleaved: drifts in machine speed hit both alike
+            for kind, routing in kinds.items():
+                with routing.active():
+                    start = time.perf_counter()
+                    logits[kind] = model(input_ids=ids, logits_to_keep=1, **routing.rows(rows)).logits
+                    times[kind].append(time.perf_counter() - start)
+    same = torch.equal(*logits.values())
+    for kind, seconds in times.items():
+        print(f"  {kind:<16} min {min(seconds):6.2f} s, median {sorted(seconds)[len(seconds) // 2]:6.2f} s")
+    print(f"  same logits: {'yes' if same else 'NO'}")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("what", choices=["steps", "prefill"])
+    p.add_argument("what", choices=["steps", "prefill", "lora-prefill"])
     p.add_argument("--rows", type=int, nargs="+", default=[2, 8, 32], help="steps: rows per decode (default 2 8 32)")
     p.add_argument("--steps", type=int, default=32, help="steps: decode steps per run (default 32)")
-    p.add_argument("--repeats", type=int, default=7, help="steps: timed runs of each kind (default 7)")
+    p.add_argument("--repeats", type=int, default=7, help="steps, lora-prefill: timed runs of each kind (default 7)")
+    p.add_argument("--prompts", type=int, default=16, help="lora-prefill: prompts (default 16)")
+    p.add_argument("--length", type=int, default=300, help="lora-prefill: tokens per prompt (default 300)")
     args = p.parse_args(argv)
-    {"steps": steps, "prefill": prefill}[args.what](args)
+    {"steps": steps, "prefill": prefill, "lora-prefill": lora_prefill}[args.what](args)
     return 0
 
 

@@ -16,3 +16,10 @@ def test_the_decode_step_probe_times_every_kind(capsys, monkeypatch):
     assert "2 rows (compiling took" in out and "same tokens: yes" in out
     for kind in ("dynamic cache", "static cache", "static cache, compiled"):
         assert f"  {kind} " in out
+
+
+def test_the_lora_prefill_probe_times_both_kinds_and_compares_their_logits(capsys):
+    bench = load_bench("bench_decode_step")
+    assert bench.main(["lora-prefill", "--prompts", "2", "--length", "8", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "reused buffers" in out and "fresh tensors" in out and "same logits: yes" in out

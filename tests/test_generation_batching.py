@@ -211,6 +211,35 @@ def test_equal_slices_in_reduced_precision_go_through_one_batched_product_with_t
     assert not calls
 
 
+def test_the_batched_hooks_reused_buffers_give_the_fresh_tensors_bits_and_go_with_the_call(agents):
+    """Without gradients the batched LoRA hook writes its intermediates into buffers reused from layer to layer
+    (fresh large tensors cost page faults): a prefill's logits and KV cache are the same bits as the hook
+    computing in fresh tensors (its path with gradients), and the buffers are freed when the call ends."""
+    from magrpo.backends.hf import RowAdapters
+
+    model = agents[0].model.eval().to(torch.bfloat16)
+    for name, param in model.named_parameters():
+        if "lora_" in name:  # as models.py keeps them in a bfloat16 model: the hook casts its sum for the layer
+            param.data = param.data.float()
+    try:
+        ids = torch.randint(3, 200, (8, 40), generator=torch.Generator().manual_seed(3)).to(model.device)
+        rows = ["agent_0"] * 4 + ["agent_1"] * 4
+        reused, fresh = RowAdapters(model), RowAdapters(model)
+        with torch.no_grad(), reused.active():
+            got = model(input_ids=ids, use_cache=True, **reused.rows(rows))
+            assert reused.scratch  # the buffers were used
+        assert not reused.scratch
+        with torch.enable_grad(), fresh.active():
+            want = model(input_ids=ids, use_cache=True, **fresh.rows(rows))
+        assert not fresh.scratch
+        assert torch.equal(got.logits, want.logits.detach())
+        for got_layer, want_layer in zip(got.past_key_values.layers, want.past_key_values.layers):
+            assert torch.equal(got_layer.keys, want_layer.keys.detach())
+            assert torch.equal(got_layer.values, want_layer.values.detach())
+    finally:
+        model.to(torch.float32)
+
+
 def test_row_routing_leaves_each_layers_switch_hooks_and_grads_as_it_found_them(agents):
     """RowAdapters turns the LoRA layers' own switches off for a decode and back, also when the forward
     raises. peft's disable_adapter() (which it used before) re-sets requires_grad on the way out: a model
