@@ -3,6 +3,7 @@
     python bench/bench_decode_step.py steps      # tiny model: dynamic cache, static cache, compiled (~3 min)
     python bench/bench_decode_step.py prefill    # SmolLM2-135M: a code-env turn-2 prefill, whole and shared
     python bench/bench_decode_step.py lora-prefill  # SmolLM2-135M, 2 LoRA agents: the hook's buffers reused or fresh
+    python bench/bench_decode_step.py split-prefill # SmolLM2-135M, 2 LoRA agents: prompts of mixed length
 
 `steps`: the tiny model with two agents' LoRA adapters (routed per row by the HF backend's
 RowAdapters, as in training), a 16-token prompt per row, then 32 greedy decode steps, timed per step
@@ -19,6 +20,12 @@ two agents' LoRA adapters (float32, as in training), a routed prefill of --promp
 tokens, half per agent, as an evaluation's turn 2 runs it: RowAdapters with the batched hook's
 intermediates in reused buffers (what magrpo runs) against fresh tensors, interleaved, min and median
 of --repeats, and whether both gave the same logits bit for bit.
+
+`split-prefill`: the same model and adapters, a decode of one greedy token after --prompts prompts whose
+lengths are spread evenly from --length / 2 to --length (an evaluation's second turn: 150-377 tokens for
+issue 48's task), half per agent: the prefill split into groups of similar length (what magrpo runs on a
+CPU) against one left-padded prefill, interleaved, min and median of --repeats, and whether both chose
+the same tokens.
 """
 from __future__ import annotations
 
@@ -120,23 +127,15 @@ def prefill(args) -> None:
 
 def lora_prefill(args) -> None:
     from magrpo.backends.hf import RowAdapters
-    from magrpo.cli import compose
-    from magrpo.models import load_agents
 
-    torch.manual_seed(0)
-    cfg = compose(["model=smollm2-135m", "model.dtype=auto", "model.device=cpu", "env=length_ratio",
-                   "external=length_ratio"])
-    agents = load_agents(cfg, 2)
+    agents = lora_agents(args.model)
     model = agents[0].model.eval()
-    for name, param in model.named_parameters():  # peft starts B at zero: make the adapters change something
-        if "lora_B" in name:
-            torch.nn.init.normal_(param, std=0.02)
-    ids = torch.randint(100, 40000, (args.prompts, args.length))
+    ids = torch.randint(3, min(40000, model.config.vocab_size), (args.prompts, args.length))
     rows = [agents[0].adapter] * (args.prompts // 2) + [agents[1].adapter] * (args.prompts - args.prompts // 2)
     kinds = {"reused buffers": RowAdapters(model), "fresh tensors": RowAdapters(model, reuse_buffers=False)}
     times: dict[str, list[float]] = {kind: [] for kind in kinds}
     logits = {}
-    print(f"SmolLM2-135M {next(model.parameters()).dtype}, {torch.get_num_threads()} thread(s), {args.prompts} "
+    print(f"{args.model} {next(model.parameters()).dtype}, {torch.get_num_threads()} thread(s), {args.prompts} "
           f"prompts x {args.length} tokens, torch {torch.__version__}")
     with torch.no_grad():
         for _ in range(args.repeats):  # interleaved: drifts in machine speed hit both alike
@@ -151,16 +150,72 @@ def lora_prefill(args) -> None:
     print(f"  same logits: {'yes' if same else 'NO'}")
 
 
+def lora_agents(model: str):
+    """The model as model.dtype=auto loads it, with two agents' LoRA adapters that change something."""
+    from magrpo.cli import compose
+    from magrpo.models import load_agents
+
+    torch.manual_seed(0)
+    cfg = compose([f"model={model}", "model.dtype=auto", "model.device=cpu", "env=length_ratio",
+                   "external=length_ratio"])
+    agents = load_agents(cfg, 2)
+    for name, param in agents[0].model.named_parameters():  # peft starts B at zero
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.02)
+    return agents
+
+
+def split_prefill(args) -> None:
+    from magrpo.backends.hf import RowAdapters, decode
+    from magrpo.backends.hf_prefill import length_groups
+    from magrpo.generation import SamplingParams
+
+    agents = lora_agents(args.model)
+    model = agents[0].model.eval()
+    gen = torch.Generator().manual_seed(0)
+    lengths = [args.length // 2 + (args.length - args.length // 2) * i // max(1, args.prompts - 1)
+               for i in range(args.prompts)]
+    lengths = [lengths[i] for i in torch.randperm(len(lengths), generator=gen).tolist()]  # agents' lengths mixed
+    prompts = [torch.randint(3, min(40000, model.config.vocab_size), (n,), generator=gen).tolist() for n in lengths]
+    adapters = [agents[0].adapter] * (args.prompts // 2) + [agents[1].adapter] * (args.prompts - args.prompts // 2)
+    groups = length_groups(lengths)
+    padded = len(lengths) * max(lengths)
+    grouped = sum(len(g) * max(lengths[i] for i in g) for g in groups)
+    print(f"{args.model} {next(model.parameters()).dtype}, {torch.get_num_threads()} thread(s), {args.prompts} "
+          f"prompts of {min(lengths)}-{max(lengths)} tokens ({sum(lengths)} in all; one prefill computes {padded}, "
+          f"{len(groups)} groups {grouped}), torch {torch.__version__}")
+    routing = RowAdapters(model)
+    params = SamplingParams(max_new_tokens=1, greedy=True)
+    times: dict[str, list[float]] = {"split into groups": [], "one prefill": []}
+    tokens = {}
+    with torch.no_grad():
+        for _ in range(args.repeats):  # interleaved: drifts in machine speed hit both alike
+            for kind, split in (("split into groups", True), ("one prefill", False)):
+                start = time.perf_counter()
+                tokens[kind] = decode(model, prompts, adapters, torch.arange(len(prompts)), params,
+                                      torch.arange(len(prompts)), pad_id=0, eos_ids=[-1], routing=routing,
+                                      split_prefill=split).tokens
+                times[kind].append(time.perf_counter() - start)
+    for kind, seconds in times.items():
+        print(f"  {kind:<18} min {min(seconds):6.2f} s, median {sorted(seconds)[len(seconds) // 2]:6.2f} s")
+    print(f"  same tokens: {'yes' if torch.equal(*tokens.values()) else 'NO'}")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("what", choices=["steps", "prefill", "lora-prefill"])
+    p.add_argument("what", choices=["steps", "prefill", "lora-prefill", "split-prefill"])
     p.add_argument("--rows", type=int, nargs="+", default=[2, 8, 32], help="steps: rows per decode (default 2 8 32)")
     p.add_argument("--steps", type=int, default=32, help="steps: decode steps per run (default 32)")
-    p.add_argument("--repeats", type=int, default=7, help="steps, lora-prefill: timed runs of each kind (default 7)")
-    p.add_argument("--prompts", type=int, default=16, help="lora-prefill: prompts (default 16)")
-    p.add_argument("--length", type=int, default=300, help="lora-prefill: tokens per prompt (default 300)")
+    p.add_argument("--repeats", type=int, default=7,
+                   help="steps, lora-prefill, split-prefill: timed runs of each kind (default 7)")
+    p.add_argument("--model", default="smollm2-135m", help="lora-prefill, split-prefill: a configs/model group "
+                   "(default smollm2-135m; tiny for a quick check)")
+    p.add_argument("--prompts", type=int, default=16, help="lora-prefill, split-prefill: prompts (default 16)")
+    p.add_argument("--length", type=int, default=300, help="lora-prefill: tokens per prompt; split-prefill: the "
+                   "longest prompt (default 300)")
     args = p.parse_args(argv)
-    {"steps": steps, "prefill": prefill, "lora-prefill": lora_prefill}[args.what](args)
+    probes = {"steps": steps, "prefill": prefill, "lora-prefill": lora_prefill, "split-prefill": split_prefill}
+    probes[args.what](args)
     return 0
 
 

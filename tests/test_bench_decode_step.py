@@ -20,6 +20,14 @@ def test_the_decode_step_probe_times_every_kind(capsys, monkeypatch):
 
 def test_the_lora_prefill_probe_times_both_kinds_and_compares_their_logits(capsys):
     bench = load_bench("bench_decode_step")
-    assert bench.main(["lora-prefill", "--prompts", "2", "--length", "8", "--repeats", "1"]) == 0
+    assert bench.main(["lora-prefill", "--model", "tiny", "--prompts", "2", "--length", "8", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
     assert "reused buffers" in out and "fresh tensors" in out and "same logits: yes" in out
+
+
+def test_the_split_prefill_probe_times_both_kinds_and_compares_their_tokens(capsys):
+    bench = load_bench("bench_decode_step")
+    assert bench.main(["split-prefill", "--model", "tiny", "--prompts", "4", "--length", "120",
+                       "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "split into groups" in out and "one prefill" in out and "same tokens: yes" in out

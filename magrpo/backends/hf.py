@@ -23,6 +23,7 @@ from ..sampling import sample, sampling_logprobs, stream_key, stream_uniforms
 from ..tree import Completion
 from .base import encode_requests
 from .hf_linear import PackedLinears
+from .hf_prefill import joined_cache, length_groups
 from .hf_resume import KeptBatch, KeptStates, RowState, kept_batch, plain_layers, resumed_inputs
 
 
@@ -280,6 +281,7 @@ def decode(
     stop: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     kept: list[RowState | None] | None = None,
     keep_states: bool = False,
+    split_prefill: bool = True,
 ) -> Decoded:
     """Sample completions for rows `expand` (an index into `prompts`, repeated for n samples).
 
@@ -297,7 +299,8 @@ def decode(
     the tokens).
     `kept`: per prompt, a state of an earlier call whose tokens begin it (or None): only the rest of
     the prompt is prefilled. `keep_states`: also return each row's keys and values (every row that
-    wrote no EOS).
+    wrote no EOS). `split_prefill`: on a CPU, prefill prompts of similar length together (hf_prefill);
+    False: one prefill of all, left-padded to the longest.
     """
     from .hf_cache import reserve  # transformers' cache classes: imported when a decode runs
 
@@ -324,15 +327,14 @@ def decode(
     finished = torch.zeros(len(expand), dtype=torch.bool, device=device)  # per batch row
     states = {} if keep_states else None
     packed = linears.active() if linears is not None else nullcontext()
+    # prompts of similar length prefilled together (hf_prefill): a CPU computes padding like any token
+    groups = length_groups([len(p) for p in prompts]) if split_prefill and not prior and device.type == "cpu" else []
     with (routing or RowAdapters(model)).active() as routing, packed:
-        positions = (attention.cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1] :]  # after a kept state: from it on
         with contiguous_head_input(model):
-            out = model(input_ids=ids, attention_mask=attention, position_ids=positions,
-                        use_cache=True, logits_to_keep=1, **prior, **routing.rows(adapters))
-        cache = out[cache_key]
+            logits, cache = prefill(model, ids, attention, prior, adapters, routing, groups)
         cache.batch_select_indices(expand)
         reserve(cache, steps)  # each step writes its position in place instead of copying the cache
-        logits = out.logits[expand, -1]
+        logits = logits[expand]
         attention = attention[expand]
         positions = attention.sum(-1)  # next position of every row
         route = routing.rows(row_adapters)
@@ -366,6 +368,38 @@ def decode(
                         use_cache=True, **{cache_key: cache}, **route)
             cache, logits, positions = out[cache_key], out.logits[:, -1], positions + 1
     return Decoded(new.cpu(), new_logprobs.cpu() if new_logprobs is not None else None, states)
+
+
+def prefill(model: torch.nn.Module, ids: torch.Tensor, attention: torch.Tensor, prior: dict, adapters: list[str],
+            routing: RowAdapters, groups: list[list[int]]) -> tuple[torch.Tensor, object]:
+    """The prompts' last logits (U, vocab) and their KV cache, from one forward, or from one per group of
+    prompts (`groups`, two or more: each left-padded to its own longest) joined into the cache one forward
+    would give; one forward where the cache's layout cannot be joined."""
+    cache_key = cache_keyword(model)
+
+    def forward(rows: list[int] | None, columns: int = 0) -> dict:
+        """All prompts (and a kept state's columns), or `rows` in their last `columns` columns (no kept state)."""
+        part_ids, mask, names = ids, attention, adapters
+        if rows is not None:
+            pick = torch.tensor(rows, device=ids.device)
+            part_ids, mask = ids[pick, ids.shape[1] - columns:], attention[pick, attention.shape[1] - columns:]
+            names = [adapters[i] for i in rows]
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -part_ids.shape[1]:]  # after a kept state: from it on
+        return model(input_ids=part_ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                     logits_to_keep=1, **prior, **routing.rows(names))
+
+    if len(groups) > 1:
+        lengths = attention.sum(-1).tolist()
+        outs = [forward(group, max(lengths[i] for i in group)) for group in groups]
+        cache = joined_cache([out[cache_key] for out in outs], groups, len(ids), ids.shape[1], model.config,
+                             ids.device)
+        if cache is not None:
+            logits = outs[0].logits.new_empty(len(ids), outs[0].logits.shape[-1])
+            for out, group in zip(outs, groups):
+                logits[torch.tensor(group, device=ids.device)] = out.logits[:, -1]
+            return logits, cache
+    out = forward(None)
+    return out.logits[:, -1], out[cache_key]
 
 
 @contextmanager

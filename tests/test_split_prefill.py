@@ -1,0 +1,96 @@
+"""On a CPU a decode prefills prompts of similar length together (magrpo/backends/hf_prefill.py): the groups
+cost fewer computed tokens than one left-padded batch, and the decode samples what one prefill gives."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from magrpo.backends.hf import decode
+from magrpo.backends.hf_prefill import length_groups
+from magrpo.generation import SamplingParams
+from magrpo.models import load_agents
+
+
+def cost(lengths, groups, group_cost):
+    return sum(len(g) * max(lengths[i] for i in g) + group_cost for g in groups)
+
+
+@pytest.mark.parametrize("lengths", [[10, 300, 310, 12, 150, 305, 11, 160], [100] * 5, [5], [7, 9, 400, 3, 380]])
+@pytest.mark.parametrize("group_cost", [0, 64, 10_000])
+def test_length_groups_split_every_prompt_once_at_the_least_cost(lengths, group_cost):
+    groups = length_groups(lengths, group_cost)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    assert all(g == sorted(g) for g in groups)  # index order: one agent's prompts stay together
+    assert cost(lengths, groups, group_cost) <= cost(lengths, [list(range(len(lengths)))], group_cost)
+    if group_cost == 10_000 or len(set(lengths)) == 1:
+        assert len(groups) == 1  # a forward costs more than any padding saved; or there is no padding
+    # no single cut of the sorted lengths does better (the optimum over all cuts is at least as good)
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    for cut in range(1, len(lengths)):
+        two = [sorted(order[:cut]), sorted(order[cut:])]
+        assert cost(lengths, groups, group_cost) <= cost(lengths, two, group_cost)
+    if lengths[:2] == [10, 300] and group_cost == 64:
+        assert len(groups) == 3  # ~10, ~155 and ~305 tokens
+
+
+@pytest.fixture(scope="module")
+def agents():
+    from tests.conftest import SMALL, compose
+
+    agents = load_agents(compose([*SMALL, "lora.r=4"]), 2)
+    torch.manual_seed(0)
+    for name, param in agents[0].model.named_parameters():
+        if "lora_B" in name:  # peft starts B at zero: make the adapters change something
+            param.data.normal_(0, 0.2)
+    return agents
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_a_split_prefill_samples_what_one_prefill_does(agents, greedy, monkeypatch):
+    """Prompts of 3 to 60 tokens, both agents, 3 samples each: split into groups, the same tokens, and
+    log-probs within float rounding of one left-padded prefill's."""
+    import magrpo.backends.hf as hf
+
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 200, (n,), generator=gen).tolist() for n in (3, 60, 5, 58, 31, 4)]
+    adapters = [agents[0].adapter] * 3 + [agents[1].adapter] * 3
+    expand = torch.arange(len(prompts)).repeat_interleave(3)
+    params = SamplingParams(max_new_tokens=8, temperature=1.0, logprobs=True, greedy=greedy)
+    seen = []
+    real = hf.length_groups
+    monkeypatch.setattr(hf, "length_groups", lambda lengths: seen.append(real(lengths)) or seen[-1])
+
+    def run(split):
+        with torch.no_grad():
+            return decode(agents[0].model, prompts, adapters, expand, params, torch.arange(len(expand)), pad_id=0,
+                          eos_ids=[-1], split_prefill=split)
+
+    whole, split = run(False), run(True)
+    assert not seen[:-1] and len(seen[-1]) >= 2  # only the split decode grouped, into two or more groups
+    assert torch.equal(whole.tokens, split.tokens)
+    torch.testing.assert_close(split.logprobs, whole.logprobs, rtol=0, atol=1e-5)
+
+
+def test_the_joined_cache_is_one_prefills_where_rows_attend_and_zeros_elsewhere(agents):
+    from magrpo.backends.hf import RowAdapters, prefill
+
+    model = agents[0].model.eval()
+    prompts = [[5, 6, 7], [8] * 20, [9, 10, 11, 12], [13] * 18]
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    adapters = [agents[0].adapter] * 2 + [agents[1].adapter] * 2
+    routing = RowAdapters(model)
+    with torch.no_grad(), routing.active():
+        logits, whole = prefill(model, ids, attention, {}, adapters, routing, [])
+        split_logits, joined = prefill(model, ids, attention, {}, adapters, routing, [[0, 2], [1, 3]])
+    torch.testing.assert_close(split_logits, logits, rtol=0, atol=1e-5)
+    for a, b in zip(whole.layers, joined.layers):
+        for side in ("keys", "values"):
+            got, want = getattr(b, side), getattr(a, side)
+            assert got.shape == want.shape
+            real = attention.bool()[:, None, :, None].expand_as(got)
+            torch.testing.assert_close(got[real], want[real], rtol=0, atol=1e-5)
+            short = torch.zeros_like(real)
+            short[[0, 2], :, : width - 4] = True  # left of the short group's own width: never computed
+            assert not got[short].any()
