@@ -579,8 +579,9 @@ class RowAdapters:
             delta = torch.bmm(torch.bmm(x.reshape(shape).to(a.dtype), a), b) * scale
             output += delta.reshape(output.shape).to(output.dtype)
             return output
-        h = self._buffer(a.dtype, x.device, x.numel(), 0).view(x.reshape(shape).shape)
-        h.copy_(x.reshape(shape))  # the cast .to(a.dtype) would make, in place
+        h = x.reshape(shape)
+        if h.dtype != a.dtype:
+            h = self._buffer(a.dtype, x.device, x.numel(), 0).view(h.shape).copy_(h)  # .to(a.dtype), in place
         delta = self._buffer(a.dtype, x.device, output.numel(), x.numel()).view(h.shape[0], h.shape[1], b.shape[-1])
         torch.bmm(torch.bmm(h, a), b, out=delta).mul_(scale)
         if delta.dtype != output.dtype:
