@@ -167,7 +167,7 @@ def lora_agents(model: str):
 
 def split_prefill(args) -> None:
     from magrpo.backends.hf import RowAdapters, decode
-    from magrpo.backends.hf_prefill import length_groups
+    from magrpo.backends.hf_prefill import group_cost, length_groups
     from magrpo.generation import SamplingParams
 
     agents = lora_agents(args.model)
@@ -178,12 +178,13 @@ def split_prefill(args) -> None:
     lengths = [lengths[i] for i in torch.randperm(len(lengths), generator=gen).tolist()]  # agents' lengths mixed
     prompts = [torch.randint(3, min(40000, model.config.vocab_size), (n,), generator=gen).tolist() for n in lengths]
     adapters = [agents[0].adapter] * (args.prompts // 2) + [agents[1].adapter] * (args.prompts - args.prompts // 2)
-    groups = length_groups(lengths)
+    groups = length_groups(lengths, group_cost(model))
     padded = len(lengths) * max(lengths)
     grouped = sum(len(g) * max(lengths[i] for i in g) for g in groups)
     print(f"{args.model} {next(model.parameters()).dtype}, {torch.get_num_threads()} thread(s), {args.prompts} "
           f"prompts of {min(lengths)}-{max(lengths)} tokens ({sum(lengths)} in all; one prefill computes {padded}, "
-          f"{len(groups)} groups {grouped}), torch {torch.__version__}")
+          f"{len(groups)} group(s) {grouped}, a forward priced at {group_cost(model)} tokens), "
+          f"torch {torch.__version__}")
     routing = RowAdapters(model)
     params = SamplingParams(max_new_tokens=1, greedy=True)
     times: dict[str, list[float]] = {"split into groups": [], "one prefill": []}

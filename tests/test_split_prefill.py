@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from magrpo.backends.hf import decode
-from magrpo.backends.hf_prefill import length_groups
+from magrpo.backends.hf_prefill import group_cost, length_groups
 from magrpo.generation import SamplingParams
 from magrpo.models import load_agents
 
@@ -33,6 +33,12 @@ def test_length_groups_split_every_prompt_once_at_the_least_cost(lengths, group_
         assert len(groups) == 3  # ~10, ~155 and ~305 tokens
 
 
+def test_a_forward_costs_fewer_tokens_of_a_larger_model():
+    small, large = torch.nn.Linear(10, 10), torch.nn.Linear(1000, 1000)
+    assert group_cost(small) > group_cost(large) >= 1
+    assert len(length_groups([5, 400, 6, 390], group_cost(small))) == 1  # a tiny model's forward costs more
+
+
 @pytest.fixture(scope="module")
 def agents():
     from tests.conftest import SMALL, compose
@@ -47,9 +53,11 @@ def agents():
 
 @pytest.mark.parametrize("greedy", [True, False])
 def test_a_split_prefill_samples_what_one_prefill_does(agents, greedy, monkeypatch):
-    """Prompts of 3 to 60 tokens, both agents, 3 samples each: split into groups, the same tokens, and
-    log-probs within float rounding of one left-padded prefill's."""
+    """Prompts of 3 to 60 tokens, both agents, 3 samples each: split into groups (a forward priced as 64 of
+    its tokens, as for a real model: the tiny one's own price never splits), the same tokens, and log-probs
+    within float rounding of one left-padded prefill's."""
     import magrpo.backends.hf as hf
+    from magrpo.backends import hf_prefill
 
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 200, (n,), generator=gen).tolist() for n in (3, 60, 5, 58, 31, 4)]
@@ -58,7 +66,8 @@ def test_a_split_prefill_samples_what_one_prefill_does(agents, greedy, monkeypat
     params = SamplingParams(max_new_tokens=8, temperature=1.0, logprobs=True, greedy=greedy)
     seen = []
     real = hf.length_groups
-    monkeypatch.setattr(hf, "length_groups", lambda lengths: seen.append(real(lengths)) or seen[-1])
+    monkeypatch.setattr(hf, "length_groups", lambda *args: seen.append(real(*args)) or seen[-1])
+    monkeypatch.setattr(hf_prefill, "FORWARD_FLOPS", 64 * 2 * sum(p.numel() for p in agents[0].model.parameters()))
 
     def run(split):
         with torch.no_grad():

@@ -23,7 +23,7 @@ from ..sampling import sample, sampling_logprobs, stream_key, stream_uniforms
 from ..tree import Completion
 from .base import encode_requests
 from .hf_linear import PackedLinears
-from .hf_prefill import joined_cache, length_groups
+from .hf_prefill import group_cost, joined_cache, length_groups
 from .hf_resume import KeptBatch, KeptStates, RowState, kept_batch, plain_layers, resumed_inputs
 
 
@@ -328,7 +328,9 @@ def decode(
     states = {} if keep_states else None
     packed = linears.active() if linears is not None else nullcontext()
     # prompts of similar length prefilled together (hf_prefill): a CPU computes padding like any token
-    groups = length_groups([len(p) for p in prompts]) if split_prefill and not prior and device.type == "cpu" else []
+    groups = []
+    if split_prefill and not prior and device.type == "cpu" and len(prompts) > 1:
+        groups = length_groups([len(p) for p in prompts], group_cost(model))
     with (routing or RowAdapters(model)).active() as routing, packed:
         with contiguous_head_input(model):
             logits, cache = prefill(model, ids, attention, prior, adapters, routing, groups)

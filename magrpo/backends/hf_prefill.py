@@ -3,7 +3,7 @@
 One batched prefill left-pads every prompt to the longest, and a CPU computes the padding like any
 token: in a greedy evaluation of issue 48's task (64 problems, 2 agents) the second turn's 128 prompts
 were 33% padding (lengths 150-377). `length_groups` sorts the prompts by length and cuts them where a
-group's padding would cost more than another forward; each group is prefilled on its own, left-padded
+group's padding would cost more than another forward (`group_cost`); each group is prefilled on its own, left-padded
 to its own longest, and `joined_cache` lays the groups' keys and values out as one prefill of all the
 prompts would (each row right-aligned, zeros where it is padding: masked, as the padding is). The
 decode then goes on as after one prefill. A row's logits may move by float rounding where its group's
@@ -17,10 +17,17 @@ from typing import Sequence
 
 import torch
 
-GROUP_COST = 64  # tokens: what one more forward of the model costs on a CPU, in prefilled tokens (its Python work)
+# What one more forward costs beside its tokens (its Python work and per-layer calls: ~50 ms at ~100 GFLOP/s),
+# in FLOPs: ~18 tokens of SmolLM2-135M, so a tiny model (a few thousand tokens' worth) never splits.
+FORWARD_FLOPS = 5e9
 
 
-def length_groups(lengths: Sequence[int], group_cost: int = GROUP_COST) -> list[list[int]]:
+def group_cost(model: torch.nn.Module) -> int:
+    """One more forward of `model`, in prefilled tokens (2 FLOPs per parameter per token)."""
+    return max(1, round(FORWARD_FLOPS / (2 * sum(p.numel() for p in model.parameters()))))
+
+
+def length_groups(lengths: Sequence[int], group_cost: int) -> list[list[int]]:
     """Indices into `lengths`, in groups of similar length, that minimise the tokens a prefill computes
     (each group: its size times its longest) plus `group_cost` per group; each group in index order
     (prompts of one agent stay together, so each group's rows route to few adapters)."""
