@@ -24,8 +24,8 @@ of --repeats, and whether both gave the same logits bit for bit.
 `split-prefill`: the same model and adapters, a decode of one greedy token after --prompts prompts whose
 lengths are spread evenly from --length / 2 to --length (an evaluation's second turn: 150-377 tokens for
 issue 48's task), half per agent: the prefill split into groups of similar length (what magrpo runs on a
-CPU) against one left-padded prefill, interleaved, min and median of --repeats, and whether both chose
-the same tokens.
+CPU) against one left-padded prefill, interleaved, min and median of --repeats, and how many tokens
+differ (in bfloat16 some do at near ties: the shapes round otherwise).
 """
 from __future__ import annotations
 
@@ -199,7 +199,9 @@ def split_prefill(args) -> None:
                 times[kind].append(time.perf_counter() - start)
     for kind, seconds in times.items():
         print(f"  {kind:<18} min {min(seconds):6.2f} s, median {sorted(seconds)[len(seconds) // 2]:6.2f} s")
-    print(f"  same tokens: {'yes' if torch.equal(*tokens.values()) else 'NO'}")
+    differ = int((tokens["split into groups"] != tokens["one prefill"]).sum())
+    print(f"  same tokens: {'yes' if not differ else f'{differ} of {len(prompts)} differ'} (in bfloat16 a batch's "
+          f"shape moves logits by its rounding: one prompt alone differs from one prefill as often)")
 
 
 def main(argv=None) -> int:
