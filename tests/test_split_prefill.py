@@ -103,3 +103,26 @@ def test_the_joined_cache_is_one_prefills_where_rows_attend_and_zeros_elsewhere(
             short = torch.zeros_like(real)
             short[[0, 2], :, : width - 4] = True  # left of the short group's own width: never computed
             assert not got[short].any()
+
+
+def test_a_model_with_sliding_window_layers_prefills_once(monkeypatch):
+    """Its cache cannot be joined from groups (a window's layer keeps other columns): one prefill, not the
+    groups' forwards and then one more."""
+    from transformers import LlamaConfig, MistralConfig, MistralForCausalLM
+
+    from magrpo.backends import hf_prefill
+
+    assert hf_prefill.joinable(LlamaConfig(num_hidden_layers=2)) and not hf_prefill.joinable(MistralConfig())
+    torch.manual_seed(0)
+    config = MistralConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, sliding_window=4096)
+    model = MistralForCausalLM(config).eval()
+    monkeypatch.setattr(hf_prefill, "FORWARD_FLOPS", 1.0)  # a forward costs nothing: any padding would split
+    prefills = []
+    model.register_forward_pre_hook(lambda module, args, kwargs: prefills.append(kwargs["input_ids"].shape[1] > 1),
+                                    with_kwargs=True)
+    prompts = [[5] * 3, [6] * 40, [7] * 4, [8] * 38]
+    with torch.no_grad():
+        decode(model, prompts, ["x"] * 4, torch.arange(4), SamplingParams(max_new_tokens=2, greedy=True),
+               torch.arange(4), pad_id=0, eos_ids=[-1])
+    assert sum(prefills) == 1

@@ -23,7 +23,7 @@ from ..sampling import sample, sampling_logprobs, stream_key, stream_uniforms
 from ..tree import Completion
 from .base import encode_requests
 from .hf_linear import PackedLinears
-from .hf_prefill import group_cost, joined_cache, length_groups
+from .hf_prefill import group_cost, joinable, joined_cache, length_groups
 from .hf_resume import KeptBatch, KeptStates, RowState, kept_batch, plain_layers, resumed_inputs
 
 
@@ -329,7 +329,7 @@ def decode(
     packed = linears.active() if linears is not None else nullcontext()
     # prompts of similar length prefilled together (hf_prefill): a CPU computes padding like any token
     groups = []
-    if split_prefill and not prior and device.type == "cpu" and len(prompts) > 1:
+    if split_prefill and not prior and device.type == "cpu" and len(prompts) > 1 and joinable(model.config):
         groups = length_groups([len(p) for p in prompts], group_cost(model))
     with (routing or RowAdapters(model)).active() as routing, packed:
         with contiguous_head_input(model):

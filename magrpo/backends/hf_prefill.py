@@ -44,6 +44,16 @@ def length_groups(lengths: Sequence[int], group_cost: int) -> list[list[int]]:
     return groups[::-1]
 
 
+def joinable(config) -> bool:
+    """Whether this model's cache is plain in every layer (one column per position), so that groups'
+    caches can be joined: not with sliding-window layers (Mistral, Gemma 3), which then prefill in one."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    layers = DynamicCache(config=config).layers
+    return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
+
+
 def joined_cache(caches: list, groups: list[list[int]], rows: int, width: int, config, device: torch.device):
     """One DynamicCache of `rows` rows and `width` columns holding each group's prefill cache (a list of
     (keys, values) per layer, its rows in the group's order) right-aligned; None unless every group's cache
