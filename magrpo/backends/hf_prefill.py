@@ -34,7 +34,7 @@ def length_groups(lengths: Sequence[int], group_cost: int) -> list[list[int]]:
     order = sorted(range(len(lengths)), key=lambda i: lengths[i])
     ordered = [lengths[i] for i in order]
     # best[j]: the cheapest cost of the j shortest prompts; cut[j]: where its last group starts
-    best, cut = [0] + [0] * len(order), [0] * (len(order) + 1)
+    best, cut = [0] * (len(order) + 1), [0] * (len(order) + 1)
     for j in range(1, len(order) + 1):
         best[j], cut[j] = min((best[i] + (j - i) * ordered[j - 1] + group_cost, i) for i in range(j))
     groups, j = [], len(order)
@@ -48,16 +48,16 @@ def joinable(config) -> bool:
     """Whether this model's cache is plain in every layer (one column per position), so that groups'
     caches can be joined: not with sliding-window layers (Mistral, Gemma 3), which then prefill in one."""
     from transformers import DynamicCache
-    from transformers.cache_utils import DynamicLayer
 
-    layers = DynamicCache(config=config).layers
-    return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
+    from .hf_resume import plain_layers
+
+    return plain_layers(DynamicCache(config=config)) is not None
 
 
 def joined_cache(caches: list, groups: list[list[int]], rows: int, width: int, config, device: torch.device):
-    """One DynamicCache of `rows` rows and `width` columns holding each group's prefill cache (a list of
-    (keys, values) per layer, its rows in the group's order) right-aligned; None unless every group's cache
-    is plain (one column per position: no sliding window)."""
+    """One DynamicCache of `rows` rows and `width` columns holding each group's prefill cache (its rows in
+    the group's order) right-aligned; None unless every group's cache is plain (one column per position:
+    no sliding window)."""
     from transformers import DynamicCache
 
     from .hf_resume import plain_layers
@@ -66,14 +66,15 @@ def joined_cache(caches: list, groups: list[list[int]], rows: int, width: int, c
     if any(layers is None for layers in layered):
         return None
     joined = DynamicCache(config=config)
+    places = [torch.tensor(group, device=device) for group in groups]  # once, not per layer and side
     for i, first in enumerate(layered[0]):
         sides = []
         for side in ("keys", "values"):
             part = getattr(first, side)
             whole = part.new_zeros(rows, part.shape[1], width, part.shape[-1])
-            for layers, group in zip(layered, groups):
+            for layers, place in zip(layered, places):
                 piece = getattr(layers[i], side)
-                whole[torch.tensor(group, device=device), :, width - piece.shape[-2]:] = piece
+                whole[place, :, width - piece.shape[-2]:] = piece
             sides.append(whole)
         joined.update(*sides, i)
     return joined
