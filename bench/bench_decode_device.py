@@ -5,8 +5,10 @@ model (random weights, no download) with two agents' LoRA adapters, as in traini
     python bench/bench_decode_device.py --device cpu --rows 8 --steps 16 --layers 4
 
 Prints ms per decode step for: the bare model (no LoRA), the peft model with both adapters routed
-per row (RowAdapters, what magrpo runs), greedy and sampled with top-p; with --profile, the torch
-profiler's top operators of the routed sampled run. It asserts nothing.
+per row (RowAdapters, what magrpo runs), greedy and sampled with top-p, each eager and with the
+fixed-shape step of `model.cuda_graphs` (magrpo/backends/hf_graph.py: a CUDA graph on a GPU, run
+eagerly on a CPU), the two in turn; with --profile, the torch profiler's top operators of the routed
+sampled run. It asserts nothing.
 """
 from __future__ import annotations
 
@@ -72,25 +74,29 @@ def main(argv=None) -> None:
           f"{dtype}, {args.layers} layers, {len(expand)} rows, prompt {args.prompt}, {args.steps} steps, "
           f"torch {torch.__version__}")
 
-    def run(model, params, adapters, routing=None):
+    def run(model, params, adapters, routing=None, static=False):
         return decode(model, prompts, adapters, expand, params, keys, pad_id=0, eos_ids=[49151],
-                      drop_finished=False, routing=routing)
+                      drop_finished=False, routing=routing, static=static)
 
     greedy = SamplingParams(args.steps, greedy=True)
     sampled = SamplingParams(args.steps, temperature=0.7, top_p=0.9, logprobs=True)
-    bare_ms = timed(lambda: run(base, greedy, ["x"] * len(prompts), routing=NoRouting()), args.repeats)
+    graph = "CUDA graph" if device.type == "cuda" else "fixed shape, eager on cpu"
+    bare = {"bare model, greedy": timed(lambda: run(base, greedy, ["x"] * len(prompts), NoRouting()), args.repeats),
+            f"bare model, greedy, {graph}": timed(lambda: run(base, greedy, ["x"] * len(prompts), NoRouting(), True),
+                                                   args.repeats)}
     lora = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM")
     model = get_peft_model(base, lora, adapter_name="agent_0")
     model.add_adapter("agent_1", LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM"))
     routing = RowAdapters(model)
     # grouped by agent, as the HF backend sorts its rows: each LoRA then runs on one slice of the batch
     adapters = [f"agent_{2 * i // len(prompts)}" for i in range(len(prompts))]
-    rows = {"bare model, greedy": bare_ms,
-            "2 LoRA agents routed, greedy": timed(lambda: run(model, greedy, adapters, routing), args.repeats),
-            "2 LoRA agents routed, sampled top-p + log-probs": timed(lambda: run(model, sampled, adapters, routing),
-                                                                      args.repeats)}
+    rows = dict(bare)
+    for label, params in (("greedy", greedy), ("sampled top-p + log-probs", sampled)):
+        rows[f"2 LoRA agents routed, {label}"] = timed(lambda p=params: run(model, p, adapters, routing), args.repeats)
+        rows[f"2 LoRA agents routed, {label}, {graph}"] = timed(
+            lambda p=params: run(model, p, adapters, routing, True), args.repeats)
     for name, seconds in rows.items():
-        print(f"{name:50s} {1000 * seconds / args.steps:7.2f} ms/step  "
+        print(f"{name:75s} {1000 * seconds / args.steps:7.2f} ms/step  "
               f"{len(expand) * args.steps / seconds:8.0f} tokens/s")
     if not args.profile:
         return

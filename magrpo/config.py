@@ -38,6 +38,11 @@ class ModelConfig:
     layout, packed once per run: the same bits, checked per weight at the first decode; SmolLM2-135M's linear
     layers 1.8x faster at 4 rows, 1.2x at 32, for a second copy of the frozen weights in memory) | plain (one copy;
     oneDNN reorders each weight at every product). Other dtypes and devices are unaffected."""
+    cuda_graphs: bool = False
+    """HF backend on a CUDA device: each decode captures its step once as a CUDA graph over a fixed-room KV cache and
+    replays it per token (magrpo/backends/hf_graph.py), for decodes bound by kernel launches (small models, per-row
+    LoRA). Finished rows stay in the batch to the end; logits match the eager loop's up to rounding. Not yet timed
+    on a GPU, so off by default. No effect on a CPU; with backend=vllm use vllm.enforce_eager=false."""
     trust_remote_code: bool = False
     """Passed to from_pretrained."""
     chat_template: str = "auto"

@@ -275,6 +275,11 @@ def _validate_backend(cfg: TrainConfig) -> None:
         raise ConfigError(
             "generation.temperature", f"vLLM samples at temperatures up to 2, got {cfg.generation.temperature}"
         )
+    if cfg.model.cuda_graphs and cfg.backend == "vllm":
+        raise ConfigError("model.cuda_graphs", "is the HF backend's; vLLM captures its own graphs with "
+                          "vllm.enforce_eager=false")
+    if cfg.model.cuda_graphs and cfg.model.device == "cpu":
+        raise ConfigError("model.cuda_graphs", "needs a CUDA device, but model.device=cpu")
     if cfg.backend == "vllm" and importlib.util.find_spec("vllm") is None:
         raise ConfigError("backend", f"vllm is not installed in this Python: {VLLM_INSTALL}")
 

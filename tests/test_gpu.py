@@ -76,3 +76,44 @@ def test_a_tool_output_adds_no_gradient_with_bf16_cuda_kernels():
         assert not all(torch.equal(a, b) for a, b in zip(unmasked, unmasked_after))  # a leak would show
     finally:
         torch.use_deterministic_algorithms(False)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_decode_captured_as_a_cuda_graph_samples_what_the_eager_loop_does(dtype, monkeypatch):
+    """model.cuda_graphs (magrpo/backends/hf_graph.py) on the device: the step is captured (no fallback warning)
+    and replayed; in float32 it samples the eager loop's tokens with its log-probs up to rounding; in bfloat16,
+    where a batch's shape moves logits by rounding and a near tie can turn a path, most tokens agree."""
+    import warnings
+
+    from magrpo.backends import hf_graph
+    from magrpo.backends.hf import decode
+    from magrpo.generation import SamplingParams
+    from magrpo.models import load_agents
+    from tests.conftest import SMALL, compose
+
+    agents = load_agents(compose([*SMALL, "model.device=cuda", f"model.dtype={dtype}", "lora.r=4"]), 2)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, param in agents[0].model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.2)
+    captured = []
+    real = hf_graph.StaticStep._capture
+    monkeypatch.setattr(hf_graph.StaticStep, "_capture", lambda self: real(self) or captured.append(self.graph))
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 200, (n,), generator=gen).tolist() for n in (3, 40, 17, 5)]
+    adapters = [agents[0].adapter] * 2 + [agents[1].adapter] * 2
+    expand = torch.arange(4).repeat_interleave(3)
+    for greedy in (True, False):
+        params = SamplingParams(max_new_tokens=16, temperature=1.0, logprobs=True, greedy=greedy)
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)  # a failed capture warns: fail here instead
+            eager = decode(agents[0].model, prompts, adapters, expand, params, torch.arange(12), 0, [-1])
+            graphed = decode(agents[0].model, prompts, adapters, expand, params, torch.arange(12), 0, [-1],
+                             static=True)
+        assert captured and captured[-1] is not None
+        if dtype == "float32":
+            assert torch.equal(graphed.tokens, eager.tokens)
+            torch.testing.assert_close(graphed.logprobs, eager.logprobs, rtol=0, atol=1e-4)
+        else:
+            assert (graphed.tokens == eager.tokens).float().mean() >= 0.75

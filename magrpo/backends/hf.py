@@ -30,10 +30,12 @@ from .hf_resume import KeptBatch, KeptStates, RowState, kept_batch, plain_layers
 class HFBackend:
     batch_setting = "generation.max_batch_rows"  # what halve_batch lowers
 
-    def __init__(self, agents: Sequence[Agent], max_batch_rows: int = 0, packed_weights: bool = True):
+    def __init__(self, agents: Sequence[Agent], max_batch_rows: int = 0, packed_weights: bool = True,
+                 cuda_graphs: bool = False):
         self.agents = list(agents)
         self.max_batch_rows = max_batch_rows  # 0 = everything in one call
         self.packed_weights = packed_weights  # model.cpu_weights=packed: frozen bf16 weights packed for decode
+        self.cuda_graphs = cuda_graphs  # model.cuda_graphs: a decode on a CUDA device replays its step as a graph
         self.generate_calls = 0
         self.generated_tokens = 0
         self.largest_chunk = 0  # rows of the biggest decode so far (what an out-of-memory halves)
@@ -124,6 +126,7 @@ class HFBackend:
             stop=check,
             kept=[kept.find(requests[r].agent, prompt_ids[r]) for r in unique] if len(kept) else None,
             keep_states=params.resumable,
+            static=self.cuda_graphs and next(model.parameters()).device.type == "cuda",
         )
         new, logprobs = decoded.tokens, decoded.logprobs
         self.generate_calls += 1
@@ -282,6 +285,7 @@ def decode(
     kept: list[RowState | None] | None = None,
     keep_states: bool = False,
     split_prefill: bool = True,
+    static: bool = False,
 ) -> Decoded:
     """Sample completions for rows `expand` (an index into `prompts`, repeated for n samples).
 
@@ -300,9 +304,13 @@ def decode(
     `kept`: per prompt, a state of an earlier call whose tokens begin it (or None): only the rest of
     the prompt is prefilled. `keep_states`: also return each row's keys and values (every row that
     wrote no EOS). `split_prefill`: on a CPU, prefill prompts of similar length together (hf_prefill);
-    False: one prefill of all, left-padded to the longest.
+    False: one prefill of all, left-padded to the longest. `static`: decode steps of fixed shape
+    (hf_graph: no row leaves the batch), captured as a CUDA graph on a CUDA device and replayed each step;
+    elsewhere run eagerly (the CPU tests); ignored with `kept` or `keep_states`, and for a cache of
+    sliding-window layers.
     """
     from .hf_cache import reserve  # transformers' cache classes: imported when a decode runs
+    from .hf_graph import static_step
 
     device = next(model.parameters()).device
     cache_key = cache_keyword(model)
@@ -335,11 +343,15 @@ def decode(
         with contiguous_head_input(model):
             logits, cache = prefill(model, ids, attention, prior, adapters, routing, groups)
         cache.batch_select_indices(expand)
-        reserve(cache, steps)  # each step writes its position in place instead of copying the cache
         logits = logits[expand]
         attention = attention[expand]
         positions = attention.sum(-1)  # next position of every row
         route = routing.rows(row_adapters)
+        fixed = None  # a StaticStep: every step at fixed shapes and addresses (a CUDA graph on a GPU)
+        if static and not prior and states is None:
+            fixed = static_step(model, cache, cache_key, attention, steps, route, capture=device.type == "cuda")
+        if fixed is None:
+            reserve(cache, steps)  # each step writes its position in place instead of copying the cache
         for step in range(steps):
             logp = sampling_logprobs(logits, params.temperature, params.top_k, params.top_p)
             nxt = logp.argmax(-1) if params.greedy else sample(logp, uniforms[alive, step])
@@ -357,6 +369,9 @@ def decode(
                     states.update(row_states(cache, torch.arange(len(alive)), alive, attention, new, eos))
                 new, new_logprobs = new[:, : step + 1], None if new_logprobs is None else new_logprobs[:, : step + 1]
                 break
+            if fixed is not None:  # finished rows stay, feeding pad
+                logits = fixed.step(nxt)
+                continue
             if drop_finished and done >= max(1, len(alive) // 4):  # finished rows would cost a forward per step
                 if states is not None:  # a row paused at a stop string keeps its state as it leaves
                     states.update(row_states(cache, finished.nonzero().squeeze(-1), alive, attention, new, eos))
