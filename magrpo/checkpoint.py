@@ -45,9 +45,8 @@ TMP_PREFIX = ".tmp-"
 # it is one of these or lies under one (`logging` covers `logging.run_dir`).
 SAFE_TO_CHANGE = (
     "trainer.steps", "trainer.micro_batch_size", "trainer.max_bad_steps", "trainer.dist_timeout_min",
-    "generation.max_batch_rows", "model.device", "model.cpu_memory", "model.cpu_weights", "model.cuda_graphs",
-    "vllm.gpu_memory_utilization",
-    "vllm.enforce_eager",
+    "generation.max_batch_rows", "generation.prefix_reuse", "model.device", "model.cpu_memory", "model.cpu_weights",
+    "model.cuda_graphs", "vllm.gpu_memory_utilization", "vllm.enforce_eager",
     "vllm.sleep_mode", "vllm.kv_cache_gb", "external.max_concurrency", "tools.max_concurrency",
     "external.expert.timeout_s", "external.expert.max_retries", "external.expert.backoff_s", "external.expert.cache",
     "external.expert.api_key_env", "eval", "logging", "checkpoint", "limits", "resume", "resume_force",

@@ -116,6 +116,12 @@ class GenerationConfig:
     """Keep the k most likely tokens; 0 = off."""
     max_batch_rows: int = 0
     """Split a generate call into chunks of at most this many sequences; 0 = one call (fastest)."""
+    prefix_reuse: bool = True
+    """HF backend on a CPU: keep each generate call's KV caches until the next call (the next turn's), whose prompts
+    then prefill only what they add to their longest common prefix with a kept row (their agent's first prompt; with
+    external.history=messages or continuation, the reply too), where that prefix saves more than a forward costs
+    (~17 tokens of SmolLM2-135M; the tiny model never). Logits as a whole prefill's up to rounding. false: prefill
+    every prompt whole and keep nothing between calls (less memory between turns)."""
     overlap_chunks: int = 1
     """Generate each turn's nodes in this many parts and score each part (and give it its feedback, unless
     trainer.resample_zero_std is on) in a second thread while the next part generates: hides slow scoring or

@@ -25,7 +25,8 @@ BACKENDS: Registry[Callable[["TrainConfig", "list[Agent]"], GenerationBackend]] 
 def _hf(cfg: "TrainConfig", agents: "list[Agent]") -> GenerationBackend:
     from .hf import HFBackend
 
-    return HFBackend(agents, cfg.generation.max_batch_rows, cfg.model.cpu_weights == "packed", cfg.model.cuda_graphs)
+    return HFBackend(agents, cfg.generation.max_batch_rows, cfg.model.cpu_weights == "packed", cfg.model.cuda_graphs,
+                     cfg.generation.prefix_reuse)
 
 
 @BACKENDS.register("vllm")

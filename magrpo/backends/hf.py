@@ -31,17 +31,18 @@ class HFBackend:
     batch_setting = "generation.max_batch_rows"  # what halve_batch lowers
 
     def __init__(self, agents: Sequence[Agent], max_batch_rows: int = 0, packed_weights: bool = True,
-                 cuda_graphs: bool = False):
+                 cuda_graphs: bool = False, prefix_reuse: bool = True):
         self.agents = list(agents)
         self.max_batch_rows = max_batch_rows  # 0 = everything in one call
         self.packed_weights = packed_weights  # model.cpu_weights=packed: frozen bf16 weights packed for decode
         self.cuda_graphs = cuda_graphs  # model.cuda_graphs: a decode on a CUDA device replays its step as a graph
+        self.prefix_reuse = prefix_reuse  # generation.prefix_reuse: on a CPU, a turn's states serve the next turn
         self.generate_calls = 0
         self.generated_tokens = 0
         self.largest_chunk = 0  # rows of the biggest decode so far (what an out-of-memory halves)
         self.routing: dict[int, RowAdapters] = {}  # per base model: its LoRA layers, found once
         self.linears: dict[int, PackedLinears] = {}  # per base model: its packed frozen weights
-        self.kept = KeptStates()  # the last call's unfinished rows' KV caches, when it was resumable
+        self.kept = KeptStates()  # the last call's rows' KV caches: unfinished ones when resumable, all on a CPU
 
     def halve_batch(self) -> int:
         """After an out-of-memory: decode at most half the rows of the biggest chunk from now on."""
@@ -82,8 +83,9 @@ class HFBackend:
             for start in range(0, len(rows), chunk):
                 part = rows[start : start + chunk]
                 self.largest_chunk = max(self.largest_chunk, len(part))
+                last = request_ids is list(by_model.values())[-1] and start + chunk >= len(rows)
                 completions = self._generate_rows(requests, part, keys[start : start + chunk], prompt_ids, own,
-                                                  kept)
+                                                  kept, release=last)
                 for r, completion in zip(part, completions):
                     results[r].append(completion)
         return results
@@ -99,7 +101,9 @@ class HFBackend:
         return self.linears[id(model)]
 
     def _generate_rows(self, requests, rows: list[int], keys: list[int], prompt_ids: dict[int, list[int]],
-                       params: SamplingParams, kept: KeptStates):
+                       params: SamplingParams, kept: KeptStates, release: bool):
+        """Decode `rows`; `release`: no later chunk of this call needs `kept`, whose memory then goes once this
+        decode has gathered what it resumes from (before its steps)."""
         first = self.agents[requests[rows[0]].agent]
         model, tok = first.model, first.tokenizer
         eos = sorted(first.eos_ids())
@@ -112,6 +116,15 @@ class HFBackend:
         check = StopCheck(tok, stops) if any(stops) else None
         if any(b < params.max_new_tokens for b in budgets):  # a row at its own budget leaves the batch
             check = BudgetCheck(budgets, check)
+        # On a CPU a prefix shared with a kept row is gathered instead of prefilled where it saves more than a
+        # forward costs (hf_resume); every row's state is kept for the next call's prompts (the next turn's)
+        # where it can be that long (never for a tiny model, whose forward costs ~2000 tokens).
+        device = next(model.parameters()).device
+        least = group_cost(model) if self.prefix_reuse and device.type == "cpu" else float("inf")
+        carry = least <= max(len(prompt_ids[r]) for r in unique) + params.max_new_tokens
+        found = [kept.find(requests[r].agent, prompt_ids[r], least) for r in unique] if len(kept) else None
+        if release:
+            kept.clear()  # `found` holds what this decode needs, and decode lets it go after its prefill
         decoded = decode(
             model,
             [prompt_ids[r] for r in unique],
@@ -124,9 +137,10 @@ class HFBackend:
             routing=self._routing(model),
             linears=self._linears(model),
             stop=check,
-            kept=[kept.find(requests[r].agent, prompt_ids[r]) for r in unique] if len(kept) else None,
-            keep_states=params.resumable,
-            static=self.cuda_graphs and next(model.parameters()).device.type == "cuda",
+            kept=found,
+            keep_states=params.resumable or carry,
+            static=self.cuda_graphs and device.type == "cuda",
+            keep_finished=carry,
         )
         new, logprobs = decoded.tokens, decoded.logprobs
         self.generate_calls += 1
@@ -135,8 +149,9 @@ class HFBackend:
         for row, r in enumerate(rows):
             ids, finished = cut_at_end(tok, new[row].tolist()[: budgets[row]], eos_set, requests[r].stop, params.stop)
             self.generated_tokens += len(ids)
-            if decoded.states is not None and row in decoded.states and not finished and ids:
-                self._keep(requests[r].agent, prompt_ids[r] + ids[:-1], decoded.states[row])
+            if decoded.states is not None and row in decoded.states and (carry or not finished) and ids:
+                self._keep(requests[r].agent, prompt_ids[r] + ids[:-1], decoded.states[row],
+                           paused=params.resumable and not finished)
             completions.append(
                 Completion(
                     token_ids=ids,
@@ -148,12 +163,12 @@ class HFBackend:
             )
         return completions
 
-    def _keep(self, agent: int, tokens: list[int], where: tuple[KeptBatch, int]) -> None:
-        """Keep a paused row's keys and values of `tokens` (its last sampled token was never fed, so
-        the next call feeds it first)."""
+    def _keep(self, agent: int, tokens: list[int], where: tuple[KeptBatch, int], paused: bool) -> None:
+        """Keep a row's keys and values of `tokens` (its last sampled token may not have been fed: a paused
+        row's next call feeds it first). `paused`: the row's turn goes on (a tool call), else it ended."""
         batch, row = where
         if batch.lengths[row] >= len(tokens):
-            self.kept.keep(agent, RowState(tuple(tokens), batch, row))
+            self.kept.keep(agent, RowState(tuple(tokens), batch, row, paused))
 
 
 class BudgetCheck:
@@ -286,6 +301,7 @@ def decode(
     keep_states: bool = False,
     split_prefill: bool = True,
     static: bool = False,
+    keep_finished: bool = False,
 ) -> Decoded:
     """Sample completions for rows `expand` (an index into `prompts`, repeated for n samples).
 
@@ -302,9 +318,11 @@ def decode(
     `expand`) and their tokens so far, which of them end here though no EOS came (a stop string, kept in
     the tokens).
     `kept`: per prompt, a state of an earlier call whose tokens begin it (or None): only the rest of
-    the prompt is prefilled. `keep_states`: also return each row's keys and values (every row that
-    wrote no EOS). `split_prefill`: on a CPU, prefill prompts of similar length together (hf_prefill);
-    False: one prefill of all, left-padded to the longest. `static`: decode steps of fixed shape
+    the prompt is prefilled; the list is emptied once gathered. `keep_states`: also return each row's
+    keys and values (every row that wrote no EOS; with `keep_finished`, every row: a next turn's prompt
+    may begin with it).
+    `split_prefill`: on a CPU, prefill prompts of similar length together (hf_prefill); False: one
+    prefill of all, left-padded to the longest. `static`: decode steps of fixed shape
     (hf_graph: no row leaves the batch), captured as a CUDA graph on a CUDA device and replayed each step;
     elsewhere run eagerly (the CPU tests); ignored with `kept` or `keep_states`, and for a cache of
     sliding-window layers.
@@ -318,6 +336,7 @@ def decode(
     if kept is not None and any(state is not None for state in kept):
         ids, attention, cache = resumed_inputs(prompts, kept, pad_id, model.config, device)
         prior = {cache_key: cache}
+        kept.clear()  # the states are gathered: their memory can go before the decode's own grows
     else:
         width = max(len(p) for p in prompts)
         ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)
@@ -326,6 +345,7 @@ def decode(
     row_adapters = [adapters[i] for i in expand.tolist()]
     model.eval()
     eos = torch.tensor(eos_ids, device=device)
+    unkept = eos[:0] if keep_finished else eos  # rows whose tokens hold one of these keep no state
     steps = params.max_new_tokens
     new = torch.full((len(expand), steps), pad_id, dtype=torch.long, device=device)
     new_logprobs = torch.zeros(len(expand), steps, device=device) if params.logprobs else None
@@ -366,7 +386,7 @@ def decode(
             done = int(finished.sum())
             if done == len(alive) or step == steps - 1:
                 if states is not None:
-                    states.update(row_states(cache, torch.arange(len(alive)), alive, attention, new, eos))
+                    states.update(row_states(cache, torch.arange(len(alive)), alive, attention, new, unkept))
                 new, new_logprobs = new[:, : step + 1], None if new_logprobs is None else new_logprobs[:, : step + 1]
                 break
             if fixed is not None:  # finished rows stay, feeding pad
@@ -374,7 +394,7 @@ def decode(
                 continue
             if drop_finished and done >= max(1, len(alive) // 4):  # finished rows would cost a forward per step
                 if states is not None:  # a row paused at a stop string keeps its state as it leaves
-                    states.update(row_states(cache, finished.nonzero().squeeze(-1), alive, attention, new, eos))
+                    states.update(row_states(cache, finished.nonzero().squeeze(-1), alive, attention, new, unkept))
                 keep = (~finished).nonzero().squeeze(-1)
                 cache.batch_select_indices(keep)
                 alive, attention, positions, nxt = alive[keep], attention[keep], positions[keep], nxt[keep]

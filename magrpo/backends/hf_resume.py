@@ -14,11 +14,18 @@ row and layer on a GPU.
 A state lives for one call: the next generate call takes those whose tokens begin a request's prompt
 ids and drops the rest, and `sleep` drops them all before the update, so a row whose turn ended, or
 that was not resumed, holds no memory past the next call.
+
+On a CPU the same mechanism carries a turn's states into the next turn (`KeptStates.find` with `least`):
+a next-turn prompt repeats its agent's first prompt (and, with external.history=messages or continuation,
+the reply too), so the keys and values of its longest common prefix with a kept row are gathered and only
+the rest is prefilled. A prefix is taken only where it saves more tokens than a forward costs (hf_prefill's
+price: ~17 tokens of SmolLM2-135M; the tiny model's ~2000 never).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -36,6 +43,7 @@ class RowState:
     tokens: tuple[int, ...]  # the ids these keys and values are of: the prompt, then the completion but its last token
     batch: KeptBatch  # where they are: the first len(tokens) attended columns of row `row`
     row: int
+    paused: bool = True  # a row paused in its turn (a tool call); False: its turn ended, kept for the next turn
 
 
 class KeptStates:
@@ -43,21 +51,51 @@ class KeptStates:
 
     def __init__(self):
         self.by_agent: dict[int, dict[tuple[int, ...], RowState]] = {}
+        self.table: dict[int, tuple[np.ndarray, list[RowState]]] = {}  # per agent: the states' tokens, -1 padded
 
     def __len__(self) -> int:
         return sum(len(states) for states in self.by_agent.values())
 
+    def clear(self) -> None:
+        self.by_agent, self.table = {}, {}
+
     def keep(self, agent: int, state: RowState) -> None:
         self.by_agent.setdefault(agent, {})[state.tokens] = state
+        self.table.pop(agent, None)
 
-    def find(self, agent: int, prompt: list[int]) -> RowState | None:
-        """The longest state of `agent` whose tokens begin `prompt` and leave at least one token to
-        prefill (its logits give the first new token)."""
+    def find(self, agent: int, prompt: list[int], least: float = float("inf")) -> RowState | None:
+        """The state of `agent` that covers most of `prompt` and leaves at least one token to prefill (its
+        logits give the first new token): a paused state whose tokens begin `prompt`, or the first n tokens of
+        any state that `prompt` begins with, where n >= `least` (a RowState of those n tokens)."""
         states = self.by_agent.get(agent, {})
+        best = None
         for length in sorted({len(tokens) for tokens in states}, reverse=True):
-            if length < len(prompt) and (state := states.get(tuple(prompt[:length]))) is not None:
-                return state
-        return None
+            state = states.get(tuple(prompt[:length])) if length < len(prompt) else None
+            if state is not None and (state.paused or length >= least):
+                best = state
+                break
+        if least > len(prompt) - 1 or not states or (best is not None and len(best.tokens) == len(prompt) - 1):
+            return best
+        shared, state = self._longest_common_prefix(agent, prompt)
+        if shared >= least and (best is None or shared > len(best.tokens)):
+            return RowState(state.tokens[:shared], state.batch, state.row, paused=False)
+        return best
+
+    def _longest_common_prefix(self, agent: int, prompt: list[int]) -> tuple[int, RowState]:
+        """How many first tokens of `prompt` (all but its last at most) the best state of `agent` shares, and it."""
+        if agent not in self.table:
+            states = list(self.by_agent[agent].values())
+            width = max(len(s.tokens) for s in states)
+            tokens = np.full((len(states), width), -1, dtype=np.int64)
+            for i, state in enumerate(states):
+                tokens[i, : len(state.tokens)] = state.tokens
+            self.table[agent] = tokens, states
+        tokens, states = self.table[agent]
+        m = min(tokens.shape[1], len(prompt) - 1)
+        same = tokens[:, :m] == np.asarray(prompt[:m], dtype=np.int64)
+        shared = np.where(same.all(1), m, same.argmin(1))  # the first column that differs
+        best = int(shared.argmax())
+        return int(shared[best]), states[best]
 
 
 def plain_layers(cache) -> list | None:
