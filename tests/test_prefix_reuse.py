@@ -119,3 +119,14 @@ def test_the_kept_states_go_before_the_next_decode_steps(agents, monkeypatch):
     finally:
         hook.remove()
     assert alive_at_steps and alive_at_steps[0] == 0
+
+
+def test_new_weights_drop_the_kept_caches(agents, monkeypatch):
+    """Caches computed with the weights before an update (or a checkpoint's load) would resume wrong."""
+    monkeypatch.setattr(hf_prefill, "FORWARD_FLOPS", 4 * 2 * sum(p.numel() for p in agents[0].model.parameters()))
+    for drop in ("sync_weights", "sleep"):
+        backend = HFBackend(agents)
+        backend.generate(FIRST, SamplingParams(max_new_tokens=4))
+        assert len(backend.kept) > 0
+        getattr(backend, drop)()
+        assert len(backend.kept) == 0, drop

@@ -50,7 +50,9 @@ class HFBackend:
         return self.max_batch_rows
 
     def sync_weights(self) -> None:
-        """Generation runs on the trainer's own modules: nothing to copy."""
+        """Generation runs on the trainer's own modules: nothing to copy; kept caches were computed with the
+        weights before, so they go."""
+        self.kept = KeptStates()
 
     def sleep(self) -> None:
         """The modules are the trainer's: only the kept KV caches are ours to free."""
