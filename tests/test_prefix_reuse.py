@@ -68,15 +68,21 @@ def next_turn(first, completions):
 @pytest.mark.parametrize("greedy", [True, False])
 def test_a_next_turn_prefills_only_what_its_prompts_add(agents, greedy, monkeypatch):
     """A forward priced as 4 tokens (a real model's price is ~17; the tiny one's ~2000 never reuses): the second
-    call gathers each prompt's shared prefix and feeds fewer tokens, and samples the tokens of a backend that
-    prefills every prompt whole, its log-probs within float32 rounding."""
+    call gathers each prompt's shared prefix and feeds fewer tokens, in groups of similar length left, and
+    samples the tokens of a backend that prefills every prompt whole, its log-probs within float32 rounding."""
     monkeypatch.setattr(hf_prefill, "FORWARD_FLOPS", 4 * 2 * sum(p.numel() for p in agents[0].model.parameters()))
     params = SamplingParams(max_new_tokens=12, temperature=1.0, logprobs=True, greedy=greedy)
     carried = HFBackend(agents)
     first = carried.generate(FIRST, params)
     assert len(carried.kept) > 0  # every row kept for the next call
     second = next_turn(FIRST, first)
+    import magrpo.backends.hf as hf
+
+    seen = []
+    real = hf.resumed_prefill
+    monkeypatch.setattr(hf, "resumed_prefill", lambda *args: seen.append(args[-1]) or real(*args))
     reused, fed_reused = prefilled_tokens(agents[0].model, lambda: carried.generate(second, params))
+    assert len(seen) == 1 and len(seen[0]) >= 2  # resumed in groups of similar length
     whole, fed_whole = prefilled_tokens(agents[0].model,
                                         lambda: HFBackend(agents, prefix_reuse=False).generate(second, params))
     assert fed_reused < 0.6 * fed_whole

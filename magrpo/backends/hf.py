@@ -334,15 +334,21 @@ def decode(
 
     device = next(model.parameters()).device
     cache_key = cache_keyword(model)
-    prior = {}
-    if kept is not None and any(state is not None for state in kept):
+    resumed = kept is not None and any(state is not None for state in kept)
+    # prompts of similar length (after a kept state: what is left of them) prefilled together (hf_prefill): a
+    # CPU computes padding like any token
+    groups = []
+    if split_prefill and device.type == "cpu" and len(prompts) > 1 and joinable(model.config):
+        states = kept if resumed else [None] * len(prompts)
+        left = [len(p) - (len(s.tokens) if s is not None else 0) for p, s in zip(prompts, states)]
+        groups = length_groups(left, group_cost(model))
+    prior, ids = {}, None
+    if resumed and len(groups) < 2:
         ids, attention, cache = resumed_inputs(prompts, kept, pad_id, model.config, device)
         prior = {cache_key: cache}
         kept.clear()  # the states are gathered: their memory can go before the decode's own grows
-    else:
-        width = max(len(p) for p in prompts)
-        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)
-        attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    elif not resumed:
+        ids, attention = left_padded(prompts, pad_id, device)
     expand, stream_keys = expand.to(device), stream_keys.to(device)
     row_adapters = [adapters[i] for i in expand.tolist()]
     model.eval()
@@ -357,13 +363,12 @@ def decode(
     finished = torch.zeros(len(expand), dtype=torch.bool, device=device)  # per batch row
     states = {} if keep_states else None
     packed = linears.active() if linears is not None else nullcontext()
-    # prompts of similar length prefilled together (hf_prefill): a CPU computes padding like any token
-    groups = []
-    if split_prefill and not prior and device.type == "cpu" and len(prompts) > 1 and joinable(model.config):
-        groups = length_groups([len(p) for p in prompts], group_cost(model))
     with (routing or RowAdapters(model)).active() as routing, packed:
         with contiguous_head_input(model):
-            logits, cache = prefill(model, ids, attention, prior, adapters, routing, groups)
+            if ids is None:  # resumed, in groups
+                logits, cache, attention = resumed_prefill(model, prompts, kept, pad_id, adapters, routing, groups)
+            else:
+                logits, cache = prefill(model, ids, attention, prior, adapters, routing, groups)
         cache.batch_select_indices(expand)
         logits = logits[expand]
         attention = attention[expand]
@@ -439,6 +444,43 @@ def prefill(model: torch.nn.Module, ids: torch.Tensor, attention: torch.Tensor, 
             return logits, cache
     out = forward(None)
     return out.logits[:, -1], out[cache_key]
+
+
+def left_padded(prompts: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prompts left-padded to the longest, and their attention mask."""
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)
+    attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    return ids, attention
+
+
+def resumed_prefill(model: torch.nn.Module, prompts: list[list[int]], kept: list[RowState | None], pad_id: int,
+                    adapters: list[str], routing: RowAdapters, groups: list[list[int]]
+                    ) -> tuple[torch.Tensor, object, torch.Tensor]:
+    """The prompts' last logits, KV cache and attention mask, each group resumed from its kept states (or
+    prefilled whole where it has none) in a forward of its own, joined with every row right-aligned as one
+    resumed prefill would lay them out (masked holes and padding on the left). Empties `kept`."""
+    device, cache_key = next(model.parameters()).device, cache_keyword(model)
+    parts = []
+    for group in groups:
+        sub, states = [prompts[i] for i in group], [kept[i] for i in group]
+        if any(state is not None for state in states):
+            ids, attention, cache = resumed_inputs(sub, states, pad_id, model.config, device)
+            prior = {cache_key: cache}
+        else:
+            (ids, attention), prior = left_padded(sub, pad_id, device), {}
+        logits, cache = prefill(model, ids, attention, prior, [adapters[i] for i in group], routing, [])
+        parts.append((logits, cache, attention))
+    kept.clear()  # gathered: their memory can go before the decode's own grows
+    width = max(attention.shape[1] for _, _, attention in parts)
+    cache = joined_cache([cache for _, cache, _ in parts], groups, len(prompts), width, model.config, device)
+    logits = parts[0][0].new_empty(len(prompts), parts[0][0].shape[-1])
+    attention = parts[0][2].new_zeros(len(prompts), width)
+    for (part_logits, _, part_attention), group in zip(parts, groups):
+        rows = torch.tensor(group, device=device)
+        logits[rows] = part_logits
+        attention[rows, width - part_attention.shape[1]:] = part_attention
+    return logits, cache, attention
 
 
 @contextmanager

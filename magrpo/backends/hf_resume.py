@@ -19,7 +19,8 @@ On a CPU the same mechanism carries a turn's states into the next turn (`KeptSta
 a next-turn prompt repeats its agent's first prompt (and, with external.history=messages or continuation,
 the reply too), so the keys and values of its longest common prefix with a kept row are gathered and only
 the rest is prefilled. A prefix is taken only where it saves more tokens than a forward costs (hf_prefill's
-price: ~17 tokens of SmolLM2-135M; the tiny model's ~2000 never).
+price: ~17 tokens of SmolLM2-135M; the tiny model's ~2000 never). What is left of the prompts is prefilled in
+groups of similar length, as whole prompts are (hf.resumed_prefill).
 """
 from __future__ import annotations
 
