@@ -87,7 +87,7 @@ class HFBackend:
                 self.largest_chunk = max(self.largest_chunk, len(part))
                 last = request_ids is list(by_model.values())[-1] and start + chunk >= len(rows)
                 completions = self._generate_rows(requests, part, keys[start : start + chunk], prompt_ids, own,
-                                                  kept, release=last)
+                                                  kept, last)
                 for r, completion in zip(part, completions):
                     results[r].append(completion)
         return results
