@@ -194,13 +194,20 @@ def evaluate_untrained(sizes: Sizes, out: Path, arms: Sequence[str]) -> list[Pat
                                early_termination_threshold=tree.early_termination_threshold,
                                on_reward_error=tree.on_reward_error, stop_on_truncation=tree.stop_on_truncation,
                                conversation=conversation_of(cfg.external, agents), stop_strings=tree.stop,
-                               user_code_timeout_s=tree.user_code_timeout_s)
+                               user_code_timeout_s=tree.user_code_timeout_s,
+                               progress=turn_lines(name, cfg.trainer.num_turns, start))
         finally:
             backend.close()
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"variant": name, **asdict(ARMS[name]), "metrics": metrics, "overrides": argv,
                                     "load_average": os.getloadavg(), **shared._provenance(start)}, indent=1) + "\n")
     return paths
+
+
+def turn_lines(name: str, turns: int, start: float):
+    """A line after each turn of an evaluation: a greedy turn on 216 problems takes minutes on a CPU."""
+    return lambda paths, turn: print(f"untrained: {name}: {paths} paths, turn {turn + 1}/{turns} done at "
+                                     f"{time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
 
 
 def check_same_untrained(record: Path, argv: Sequence[str]) -> None:
