@@ -196,7 +196,25 @@ def save_selection(selection: dict[str, Any], path: Path) -> Path:
 def _provenance(start: float) -> dict[str, Any]:
     return {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "seconds": round(time.perf_counter() - start, 1),
-            "machine": f"{_cpu_name()}, {os.cpu_count()} core(s), {platform.system()} {platform.machine()}"}
+            "machine": f"{_cpu_name()}{_cpu_kind()}, {os.cpu_count()} core(s), "
+                       f"{platform.system()} {platform.machine()}"}
+
+
+# The instruction sets that change a CPU's float results (the CPU kinds of CI's machines): a model name such as
+# "Intel(R) Xeon(R) Processor" does not say which, and runs on two kinds differ in bfloat16 rounding.
+CPU_KINDS = (("amx_tile", "AMX"), ("avx512_bf16", "AVX512-BF16"), ("avx512f", "AVX-512"), ("avx2", "AVX2"))
+
+
+def _cpu_kind(flags: set[str] | None = None) -> str:
+    """" (AMX, AVX512-BF16, AVX-512)": the CPU_KINDS this CPU has, from /proc/cpuinfo ("" where unknown)."""
+    if flags is None:
+        try:
+            line = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+            flags = set(line.split(":", 1)[1].split())
+        except (OSError, StopIteration):
+            return ""
+    kinds = [name for flag, name in CPU_KINDS if flag in flags]
+    return f" ({', '.join(kinds)})" if kinds else ""
 
 
 def _cpu_name() -> str:

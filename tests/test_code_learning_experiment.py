@@ -220,3 +220,13 @@ def test_a_kept_run_with_other_settings_stops_the_experiment(exp, tmp_path):
     with pytest.raises(SystemExit, match=r"trainer.lr=0.0003, this call wants trainer.lr=0.001"):
         other_lr = replace(before_after_only, lr=1e-3)
         exp.check_same_settings(run_dir, exp.overrides("plain", 0, other_lr, dataset, 3, run_dir))
+
+
+def test_a_runs_machine_names_the_instruction_sets_that_change_its_floats(exp):
+    """Runs on an AVX2, an AVX512-BF16 and an AMX CPU round bfloat16 differently, and "Intel(R) Xeon(R)
+    Processor" alone does not say which of them a run had."""
+    assert exp._cpu_kind({"avx2", "fma"}) == " (AVX2)"
+    assert exp._cpu_kind({"avx2", "avx512f", "avx512_bf16"}) == " (AVX512-BF16, AVX-512, AVX2)"
+    assert exp._cpu_kind({"amx_tile", "avx512_bf16", "avx512f", "avx2"}) == " (AMX, AVX512-BF16, AVX-512, AVX2)"
+    assert exp._cpu_kind(set()) == ""
+    assert exp._provenance(0.0)["machine"].count("core(s)") == 1
