@@ -11,9 +11,11 @@
 # 2026-11-29 they were. At the start, records in KEEP that OUT lacks are copied back, so finished work
 # is kept and not run again.
 #
-# Run it from a checkout pinned at one commit for the whole experiment (all arms evaluated by one code),
-# with KEEP pointing into the checkout that commits the records:
-#   git worktree add --detach /work/exp_run <commit> && cd /work/exp_run &&
+# All arms are trained and evaluated by one code: the queue refuses to start where the code that trains
+# (magrpo/, envs/, external/, configs/, train.py) differs from PIN's, the commit of the experiment's first
+# run. Run it from its own checkout, so later edits do not reach a run in flight, with KEEP pointing into
+# the checkout that commits the records:
+#   git worktree add --detach /work/exp_run HEAD && cd /work/exp_run &&
 #   KEEP=/work/main/docs/data/reasoning_learning nohup nice -n 10 setsid bash experiments/reasoning_queue.sh ...
 set -u
 cd "$(dirname "$0")/.."
@@ -22,9 +24,16 @@ OUT=${OUT:-experiments/out/reasoning_learning}
 KEEP=${KEEP:-docs/data/reasoning_learning}
 LIMIT=${LIMIT:-150m}
 JOBS=${JOBS:-"method:0 single_agent:0 one_turn:0 method:1 single_agent:1 method:2 single_agent:2 one_turn:1 one_turn:2"}
+PIN=${PIN-4c5853e}  # empty: no check (tests)
 LOG=$OUT/queue.log
 mkdir -p "$OUT" "$KEEP"
 say() { echo "$(date -u '+%F %T') $*" >> "$LOG"; }
+if [ -n "$PIN" ] && ! git diff --quiet "$PIN" HEAD -- magrpo envs external configs train.py 2>/dev/null; then
+    echo "reasoning_queue: this checkout's training code differs from the experiment's commit $PIN (or git cannot" \
+         "compare them): run from a checkout whose magrpo/, envs/, external/, configs/ and train.py are $PIN's" >&2
+    say "refused: the training code differs from $PIN"
+    exit 2
+fi
 
 keep() {  # OUT -> KEEP: the report's inputs, never checkpoints
     mkdir -p "$KEEP/untrained"

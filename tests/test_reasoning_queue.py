@@ -41,7 +41,7 @@ echo "{\"variant\": \"$arm\"}" > "$dir/experiment.json"
 """
 
 
-def run_queue(tmp_path: Path, out: Path, keep: Path, jobs: str) -> list[str]:
+def run_queue(tmp_path: Path, out: Path, keep: Path, jobs: str, pin: str = "", code: int = 0) -> list[str]:
     if shutil.which("bash") is None:
         pytest.skip("no bash")
     venv = tmp_path / "venv"
@@ -52,8 +52,10 @@ def run_queue(tmp_path: Path, out: Path, keep: Path, jobs: str) -> list[str]:
     calls = tmp_path / "calls.txt"
     calls.unlink(missing_ok=True)
     env = {**os.environ, "MAGRPO_VENV": str(venv), "OUT": str(out), "KEEP": str(keep), "JOBS": jobs,
-           "CALLS": str(calls), "LIMIT": "60s"}
-    subprocess.run(["bash", str(ROOT / "experiments" / "reasoning_queue.sh")], env=env, check=True, timeout=60)
+           "CALLS": str(calls), "LIMIT": "60s", "PIN": pin}
+    done = subprocess.run(["bash", str(ROOT / "experiments" / "reasoning_queue.sh")], env=env, timeout=60,
+                          capture_output=True, text=True)
+    assert done.returncode == code, done.stderr
     return calls.read_text().splitlines() if calls.is_file() else []
 
 
@@ -63,7 +65,7 @@ def files(folder: Path) -> set[str]:
 
 def test_finished_records_are_kept_without_checkpoints(tmp_path):
     out, keep = tmp_path / "out", tmp_path / "keep"
-    calls = run_queue(tmp_path, out, keep, "method:0 stopped:0 single_agent:0")
+    calls = run_queue(tmp_path, out, keep, "method:0 stopped:0 single_agent:0", pin="HEAD")  # this code: runs
     assert calls == ["trained method 0", "trained stopped 0", "trained single_agent 0"]
     assert files(keep) == {"untrained/method.json", "untrained/single_agent.json",
                            *(f"runs/{arm}/seed0/{name}" for arm in ("method", "single_agent")
@@ -82,3 +84,11 @@ def test_a_new_machine_gets_back_what_an_earlier_one_finished(tmp_path):
     assert json.loads((fresh / "untrained" / "method.json").read_text())["kept"]  # copied back, not redone
     assert "runs/method/seed1/experiment.json" in files(keep)
     assert not (keep / "runs" / "stopped").exists()  # unfinished: its checkpoint stays on the machine
+
+
+def test_the_queue_refuses_code_other_than_the_experiments(tmp_path):
+    """Every arm is trained and evaluated by one code: a checkout whose training code is not the pinned
+    commit's (here: a commit git does not know) starts nothing."""
+    out = tmp_path / "out"
+    assert run_queue(tmp_path, out, tmp_path / "keep", "method:0", pin="0" * 40, code=2) == []
+    assert "refused" in (out / "queue.log").read_text() and not (out / "untrained").exists()
