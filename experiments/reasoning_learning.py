@@ -428,7 +428,8 @@ def durations(runs: Runs) -> str:
     for name, seeds in runs.items():
         for seed, (records, info) in seeds.items():
             steps = [r["perf/step_s"] for r in records if "perf/step_s" in r]
-            evals = [r["perf/eval_s"] for r in records if "perf/eval_s" in r]
+            # step 0's evaluation is the arm's untrained one (load_runs), a job of its own: not this run's time
+            evals = [r["perf/eval_s"] for r in records if "perf/eval_s" in r and r.get("step", 0) >= 1]
             load = ", ".join(f"{x:.1f}" for x in info.get("load_average", ()))
             minutes = run_seconds(records, info) / 60
             lines.append(f"| {name} | {seed} | {minutes:.1f} | {_mean(steps)} | {_mean(evals)} | "

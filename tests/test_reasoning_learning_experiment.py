@@ -162,6 +162,24 @@ def test_a_run_resumed_across_jobs_counts_the_time_of_every_job(exp, tmp_path):
     assert "| method | 0 | 1.0 | 2 | 60 |" in text and "Time: 1 runs, 0.02 h in all." in text
 
 
+def test_a_runs_durations_leave_out_its_arms_untrained_evaluation(exp, tmp_path):
+    """The untrained evaluation (OUT/untrained, a job of its own) is each run's step 0 in the report, not part
+    of the run's time: a real report once said 676 s per evaluation, the mean of the untrained 1548 s and the
+    run's own 264 and 216 s."""
+    write_run(tmp_path, "method", 0, 0.28, 0.40)
+    path = tmp_path / "runs" / "method" / "seed0" / "metrics.jsonl"
+    path.write_text("".join(line + "\n" for line in path.read_text().splitlines()[1:]))  # eval.at_start=false
+    (tmp_path / "untrained").mkdir()
+    (tmp_path / "untrained" / "method.json").write_text(json.dumps({
+        "variant": "method", "agents": 2, "turns": 2, "overrides": [], "load_average": [1.0, 1.0, 1.0],
+        "metrics": {"eval/turn_0/pass@1_greedy": 0.3, "eval/turn_1/pass@1_greedy": 0.28, "eval/turn_1/pass@1": 0.28,
+                    "perf/eval_s": 1548.0},
+        "date": "2026-11-28 11:00 UTC", "machine": "test machine", "seconds": 1548.0}))
+    text = exp.report(tmp_path, tmp_path / "results.md", tmp_path / "results.png")
+    assert "| method | 0 | 10.0 | 2 | 60 |" in text
+    assert "0.280 before -> 0.400 after" in text  # the untrained evaluation is still the run's "before"
+
+
 def test_headline_says_when_the_gain_is_within_two_standard_errors(exp, tmp_path):
     for seed, (before, after) in enumerate([(0.28, 0.28), (0.28, 0.40), (0.28, 0.28)]):  # mean +0.04, SE 0.04
         write_run(tmp_path, "method", seed, before, after, samples=0)
