@@ -57,7 +57,8 @@ def test_a_static_decode_samples_what_the_eager_loop_does(agents, greedy, ends):
         assert (eager.tokens[:, -1] == 0).sum() >= 3, "rows should finish early: the case is not tested"
     assert torch.equal(static.tokens, eager.tokens)
     finished = static.tokens == 0  # pad after an EOS: no log-prob to compare
-    torch.testing.assert_close(static.logprobs[~finished], eager.logprobs[~finished], rtol=0, atol=1e-5)
+    # float32 rounding scales with the log-prob: an AMX Xeon differed by 1.2e-5 at -4.7 (2.5e-6 relative)
+    torch.testing.assert_close(static.logprobs[~finished], eager.logprobs[~finished], rtol=1e-5, atol=1e-5)
 
 
 def test_each_step_reads_its_state_from_the_tensors_a_graph_replays(agents, monkeypatch):
