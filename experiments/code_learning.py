@@ -208,21 +208,22 @@ CPU_KINDS = (("amx_tile", "AMX"), ("avx512_bf16", "AVX512-BF16"), ("avx512f", "A
 def _cpu_kind(flags: set[str] | None = None) -> str:
     """" (AMX, AVX512-BF16, AVX-512)": the CPU_KINDS this CPU has, from /proc/cpuinfo ("" where unknown)."""
     if flags is None:
-        try:
-            line = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-            flags = set(line.split(":", 1)[1].split())
-        except (OSError, StopIteration):
-            return ""
+        flags = set((_cpuinfo("flags") or "").split())
     kinds = [name for flag, name in CPU_KINDS if flag in flags]
     return f" ({', '.join(kinds)})" if kinds else ""
 
 
 def _cpu_name() -> str:
+    return _cpuinfo("model name") or platform.processor() or "unknown CPU"
+
+
+def _cpuinfo(key: str) -> str | None:
+    """The value of /proc/cpuinfo's first `key` line; None without that file or line (not Linux)."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
-        return next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or "unknown CPU"
+    except OSError:
+        return None
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith(key)), None)
 
 
 # ------------------------------------------------------------------------------------------ run
