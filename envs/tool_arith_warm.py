@@ -9,7 +9,8 @@ ordinary HF folder, built once and cached by its recipe (like magrpo/tiny.py):
 
 It trains at least `steps` LM steps, then more until greedy calls and answers copy on `copy_share`
 of fixed questions (`copying`). The build runs pinned to portable kernels (magrpo.pinned), so it takes
-the same steps to the same weights on every CPU kind: unpinned, with a constant lr of 3e-3 and no
+the same steps to the same weights under every kernel set of one machine (across vendors the weights
+differ in their last bits: magrpo.pinned): unpinned, with a constant lr of 3e-3 and no
 clipping, it converged on an AMX Xeon and on AVX2 machines and never in 6000 steps on an AMD EPYC with
 AVX512-BF16, where its loss spiked (0.64 -> 0.99 between steps 750 and 1000) and the copying was lost.
 At lr 1.5e-3 the recipe also converged unpinned under every kernel set tried, in 500-1000 steps

@@ -9,7 +9,13 @@ converges on one CPU kind may then never converge on another (the tool_arith war
 Xeon and on AVX2, and never in 6000 steps on an AMD EPYC with AVX512-BF16), and a golden file written
 on one kind fails on the others.
 
-Pinned, a run gives the same bits on AVX2, AVX-512, AVX512-BF16 and AMX machines, Intel and AMD. The
+Pinned, a run no longer depends on the kernels a machine's features pick: on one machine, imitating
+AVX2 or AVX-512 changes nothing, and an AMD EPYC (AVX512-BF16) built the tool_arith warm start to the
+same weights under each. Across CPU vendors it is not bit-exact: that pinned 500-step build wrote sha256
+06d4244a... there and 1242e54f... on an Intel Xeon with AMX (2026-11-29; under the pins the only library
+calls are MKL's SGEMM in CNR mode and torch's AVX2 kernels, and which one parts is not found). Short runs
+agree (the golden rollouts pass on both), long ones part ways: a test that asserts a trained outcome
+needs a margin that holds on any trajectory, not only on the one it was tuned on. The
 pins must be in the environment before torch is imported, hence a child process:
 
     python -m magrpo.pinned train.py-ARGS...                    # a training run

@@ -4,7 +4,8 @@ with GRPO and tools=[calculator] calls the tool more often and answers right mor
 steps than in its first. Nothing rewards a call as such: the rate rises because calls earn the
 rewards. With lr ~0 the rate stays flat (~0.2) and this fails. About 15 s with the warm start cached
 ($MAGRPO_CACHE, like the CI venvs); a machine's first run builds it (about 1.5 CPU-minutes, pinned).
-The run is pinned to portable kernels (the `pinned_train` fixture): the same numbers on every CPU kind."""
+The run is pinned to portable kernels (the `pinned_train` fixture); across CPU vendors its numbers still
+differ in their last bits (magrpo.pinned), so the thresholds keep a margin."""
 from __future__ import annotations
 
 import json
@@ -19,8 +20,7 @@ WINDOW = 3
 
 
 def learning_run(pinned_train, seed: int, *extra: str) -> tuple[list[float], list[float]]:
-    """(tools/call_rate, train/reward_mean) per step, pinned to portable kernels (the same numbers on
-    every CPU kind)."""
+    """(tools/call_rate, train/reward_mean) per step, pinned to portable kernels."""
     run = pinned_train(
         "env=tool_arith", "external=plain", f"model.name={warm_model_path()}", "tools=[calculator]",
         "tools.max_calls=1", "generation.max_new_tokens=72", "trainer.num_turns=1", f"trainer.steps={STEPS}",

@@ -12,7 +12,7 @@ magrpo renders it: chat template, tools preamble), then a reply that either
   `WarmSpec.call_share` of calling (as envs/tool_arith_warm.py does).
 
 The fine-tune is magrpo.sft's, the tiny tool_arith warm start's too, and runs pinned to portable
-kernels (magrpo.pinned): the same weights on every CPU kind. Saved as an ordinary HF folder, built
+kernels (magrpo.pinned): the same weights under every kernel set of one machine. Saved as an ordinary HF folder, built
 once and cached by its recipe under `$MAGRPO_CACHE/smollm2_tool_warm/` (atomic rename):
 
     python -m magrpo.envs.code.tool_warm         # prints the folder, for model.name=<folder>
