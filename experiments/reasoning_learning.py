@@ -448,6 +448,12 @@ def _mean(values: Sequence[float]) -> str:
     return f"{statistics.mean(values):.0f}" if values else "–"
 
 
+def reported_sizes(runs: dict, infos: list[dict]) -> dict:
+    """The runs' sizes, with the seeds these tables hold: each run records the seeds of the command that
+    started it (`run --seeds 0` says {"method": [0]}), not those of the experiment."""
+    return {**infos[0]["sizes"], "seeds": {arm: sorted(seeds) for arm, seeds in runs.items()}}
+
+
 def report(out: Path, doc: Path, image: Path) -> str:
     """Write the Markdown results (headline, provenance, tables, settings) to `doc` and the plot to `image`."""
     runs = load_runs(out)
@@ -459,7 +465,7 @@ def report(out: Path, doc: Path, image: Path) -> str:
     hours = sum(run_seconds(records, i) for seeds in runs.values() for records, i in seeds.values()) / 3600
     head = [f"**Headline:** {headline(runs)}", "",
             f"Runs finished between {dates[0]} and {dates[-1]} on {'; '.join(sorted({i['machine'] for i in infos}))}. "
-            f"Time: {len(infos)} runs, {hours:.2f} h in all.", f"Sizes: {json.dumps(infos[0]['sizes'])}.", "",
+            f"Time: {len(infos)} runs, {hours:.2f} h in all.", f"Sizes: {json.dumps(reported_sizes(runs, infos))}.", "",
             f"![results]({os.path.relpath(image, doc.parent)})", ""]
     missing = shared.unfinished(out)
     if missing:  # a partial report must say so

@@ -152,6 +152,20 @@ def test_report_gain_against_two_standard_errors_and_the_best_baseline(exp, tmp_
     assert "test machine" in text and "- one_turn: `model=tiny trainer.batch_size=2 trainer.seed=0`" in text
 
 
+def test_the_reports_sizes_name_the_seeds_it_holds_not_those_of_one_runs_command(exp, tmp_path):
+    """Each run records the sizes of the command that started it: a run started with `--seeds 0` says
+    {"method": [0]}; a real report of 3 method seeds once printed that as its sizes."""
+    for seed in (0, 1, 2):
+        write_run(tmp_path, "method", seed, 0.28, 0.30)
+    write_run(tmp_path, "single_agent", 1, 0.2, 0.3)
+    for info_path in tmp_path.glob("runs/*/seed*/experiment.json"):
+        info = json.loads(info_path.read_text())
+        sizes = {**info["sizes"], "seeds": {info["variant"]: [info["seed"]]}}
+        info_path.write_text(json.dumps({**info, "sizes": sizes}))
+    text = exp.report(tmp_path, tmp_path / "results.md", tmp_path / "results.png")
+    assert '"seeds": {"method": [0, 1, 2], "single_agent": [1]}' in text
+
+
 def test_a_run_resumed_across_jobs_counts_the_time_of_every_job(exp, tmp_path):
     """experiment.json holds the wall time of the job that finished a run; a run resumed across jobs logged
     the earlier jobs' steps and evaluations in its metrics (here 62 s against the last job's 30 s)."""
