@@ -214,3 +214,16 @@ def test_a_run_stopped_by_its_jobs_time_limit_is_no_failure(exp, tmp_path, monke
     monkeypatch.setattr(magrpo.cli, "main", lambda argv: 143)  # SIGTERM (`timeout`), after a checkpoint
     with pytest.raises(SystemExit, match=r"method seed 0 stopped \(exit 143\); the same command resumes it"):
         exp.run(exp.SMOKE, tmp_path, ["method"])
+
+
+def test_the_breakdown_splits_held_out_problems_by_their_operands_digits(exp):
+    breakdown = next(experiment_module("reasoning_breakdown"))  # imports reasoning_learning: the `exp` fixture's
+
+    def problem(expression):
+        return {"metadata": {"expression": expression}}
+
+    assert [breakdown.kind(problem(e)) for e in ("9 + 4", "9 - 12", "31 + 4", "0 + 0")] == \
+        ["one-digit", "two-digit", "two-digit", "one-digit"]
+    result = {"kinds": ["one-digit", "two-digit", "one-digit"], "passed": {0: [1.0, 0.0, 0.0], 1: [1.0, 1.0, 1.0]}}
+    assert breakdown.table(result).splitlines()[2:] == ["| 1 | 0.333 of 3 | 0.500 of 2 | 0.000 of 1 |",
+                                                        "| 2 | 1.000 of 3 | 1.000 of 2 | 1.000 of 1 |"]
