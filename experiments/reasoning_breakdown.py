@@ -3,6 +3,7 @@ finished run's adapters, split by the problem's operands (both one digit, or not
 
     python experiments/reasoning_breakdown.py method                       # the untrained team
     python experiments/reasoning_breakdown.py method --run OUT/runs/method/seed1   # after that run
+    python experiments/reasoning_breakdown.py --training     # the training rewards, from every run's rollouts
 
 Why: the method's team starts at about the held-out split's share of one-digit problems (80 of 216) and
 stays there; this says whether the team solves those and few others, before and after training. The
@@ -84,13 +85,41 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def training_table(runs: Path) -> str:
+    """Each arm's training reward per turn (every seed's joint actions), by kind of problem and by half of the
+    run: from OUT/runs/<arm>/seed*/rollouts.jsonl (kept on the machine that trained, not committed)."""
+    from collections import defaultdict
+
+    lines = ["| arm | turn | one-digit, steps 1-6 | one-digit, 7-12 | two-digit, steps 1-6 | two-digit, 7-12 |",
+             "|---|---|---|---|---|---|"]
+    for arm in exp.ARMS:
+        rewards = defaultdict(list)
+        for path in sorted(runs.glob(f"{arm}/seed*/rollouts.jsonl")):
+            for line in path.open():
+                record = json.loads(line)
+                half = "early" if record["step"] <= exp.FULL.steps // 2 else "late"
+                for node in record["nodes"]:
+                    rewards[node["turn"], kind(record["problem"]), half] += [j["reward"] for j in node["joint_actions"]]
+        for turn in sorted({key[0] for key in rewards}):
+            cells = [f"{sum(v) / len(v):.2f} of {len(v)}" if (v := rewards[turn, k, h]) else "–"
+                     for k in ("one-digit", "two-digit") for h in ("early", "late")]
+            lines.append(f"| {arm} | {turn + 1} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("arm", choices=sorted(exp.ARMS))
+    parser.add_argument("arm", nargs="?", choices=sorted(exp.ARMS))
     parser.add_argument("--run", type=Path, help="a finished run's folder (its adapters/); default: untrained")
     parser.add_argument("--out", type=Path, default=exp.ROOT / "experiments" / "out" / "reasoning_learning")
     parser.add_argument("--smoke", action="store_true", help="the tiny model, smoke sizes (a check)")
+    parser.add_argument("--training", action="store_true", help="the training rewards by kind (no model)")
     args = parser.parse_args(argv)
+    if args.training:
+        print(training_table(args.out / "runs"))
+        return 0
+    if args.arm is None:
+        parser.error("an arm is needed (or --training)")
     if args.run is not None and not (args.run / "adapters").is_dir():
         raise SystemExit(f"breakdown: --run {args.run}: no adapters/ folder (a run writes it when it finishes)")
     result = breakdown(args.arm, args.run, args.out, exp.SMOKE if args.smoke else exp.FULL)

@@ -227,3 +227,18 @@ def test_the_breakdown_splits_held_out_problems_by_their_operands_digits(exp):
     result = {"kinds": ["one-digit", "two-digit", "one-digit"], "passed": {0: [1.0, 0.0, 0.0], 1: [1.0, 1.0, 1.0]}}
     assert breakdown.table(result).splitlines()[2:] == ["| 1 | 0.333 of 3 | 0.500 of 2 | 0.000 of 1 |",
                                                         "| 2 | 1.000 of 3 | 1.000 of 2 | 1.000 of 1 |"]
+
+
+def test_the_training_breakdown_averages_every_seeds_rewards_by_turn_kind_and_half(exp, tmp_path):
+    breakdown = next(experiment_module("reasoning_breakdown"))
+
+    def record(step, expression, turn_rewards):
+        nodes = [{"turn": t, "joint_actions": [{"reward": r} for r in rs]} for t, rs in enumerate(turn_rewards)]
+        return json.dumps({"step": step, "problem": {"metadata": {"expression": expression}}, "nodes": nodes})
+
+    for seed, lines in enumerate([[record(1, "3 + 4", [[1, 0], [1, 1]]), record(12, "13 + 4", [[0, 0], [1, 0]])],
+                                  [record(2, "3 - 4", [[1, 1], [0, 0]])]]):
+        (tmp_path / "method" / f"seed{seed}").mkdir(parents=True)
+        (tmp_path / "method" / f"seed{seed}" / "rollouts.jsonl").write_text("\n".join(lines) + "\n")
+    rows = breakdown.training_table(tmp_path).splitlines()[2:]
+    assert rows == ["| method | 1 | 0.75 of 4 | – | – | 0.00 of 2 |", "| method | 2 | 0.50 of 4 | – | – | 0.50 of 2 |"]
