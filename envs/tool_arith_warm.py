@@ -124,8 +124,11 @@ def _train(spec: WarmSpec, base: Path, out: Path) -> None:
             yield [example(tok, *transcript(rng, spec.shown_calls, spec.digits)) for _ in range(spec.batch_size)]
 
     shares: dict[str, float] = {}
+    trace: dict[str, str] = {}  # step -> the weights' sha256 after it (sft.TRACE_STEPS)
 
     def stop(step: int) -> bool:
+        if step in sft.TRACE_STEPS:
+            trace[str(step)] = sft.weights_digest(model)
         if step < spec.steps or ((step - spec.steps) % spec.check_every and step < spec.max_steps):
             return False
         shares["calls"], shares["answers"] = copying(model, tok, spec)
@@ -146,7 +149,8 @@ def _train(spec: WarmSpec, base: Path, out: Path) -> None:
                     label=LABEL, log_every=spec.check_every, total=spec.max_steps)
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
-    sft.write_record(out, {"steps": steps, "calls_copy": shares["calls"], "answers_copy": shares["answers"]})
+    sft.write_record(out, {"steps": steps, "calls_copy": shares["calls"], "answers_copy": shares["answers"],
+                           "trace_sha256": trace})
 
 
 def copying(model, tok, spec: WarmSpec) -> tuple[float, float]:

@@ -141,6 +141,25 @@ def build_pinned(target: str, arguments: Mapping[str, Any], out: Path, label: st
         raise WarmStartError(error or f"{label}: the build failed (exit {proc.returncode}; its output is above)")
 
 
+# The steps whose weights a build hashes (weights_digest): two machines whose builds end with other weights
+# find the first step where they part (the pinned kernels are not bit-exact across CPU vendors: magrpo.pinned).
+TRACE_STEPS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000)
+
+
+def weights_digest(model) -> str:
+    """sha256 of the parameters' values in name order (not of a saved file, whose header a library may write
+    otherwise)."""
+    import hashlib
+
+    import torch
+
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
 def write_record(out: Path, record: Mapping[str, Any]) -> None:
     """`warm_start.json` in the built folder: how the build went, whether its kernels were pinned, and
     the weights' sha256 (the same on every machine where it ran pinned: two machines can compare)."""

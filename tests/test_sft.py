@@ -83,6 +83,21 @@ def test_a_warm_start_that_does_not_converge_is_one_line_and_leaves_no_folder(tm
     assert "step 1" in err and "Traceback" not in err and "error:" not in err  # progress passed on, the error not
 
 
+def test_a_warm_start_records_its_weights_hash_after_the_trace_steps(tmp_path):
+    """warm_start.json holds the weights' sha256 after steps 1, 2, 5, ... (sft.TRACE_STEPS): two machines whose
+    builds part (the pins are not bit-exact across CPU vendors) can find the first step where they do."""
+    import json
+
+    spec = warm.WarmSpec(steps=2, check_every=1, copy_share=0.0, checks=2)  # stops after step 2
+    base = tiny_model_path(spec.base)
+    (tmp_path / "tiny").mkdir()
+    (tmp_path / "tiny" / base.name).symlink_to(base)
+    record = json.loads((warm.warm_model_path(spec, cache_dir=tmp_path) / "warm_start.json").read_text())
+    trace = record["trace_sha256"]
+    assert record["steps"] == 2 and sorted(trace) == ["1", "2"]
+    assert trace["1"] != trace["2"] and all(len(value) == 64 for value in trace.values())
+
+
 def test_the_warm_start_command_prints_one_line_and_exits_1(capsys):
     def build():
         raise sft.WarmStartError("tool_arith warm start: after 2 steps ...; try another seed")
