@@ -28,7 +28,7 @@ def main(argv=None) -> int:
     from magrpo.backends import make_backend
     from magrpo.cli import compose
     from magrpo.conversation import conversation_of
-    from magrpo.evaluation import evaluate
+    from magrpo.evaluation import evaluate, path_options
     from magrpo.generation import SamplingParams
     from magrpo.models import load_agents
     from magrpo.rollout import TreeSettings
@@ -63,10 +63,7 @@ def main(argv=None) -> int:
             start = time.perf_counter()
             metrics = evaluate(env, backend, feedback, problems, cfg.trainer.num_turns,
                                SamplingParams(g.max_new_tokens, g.temperature, g.top_p, g.top_k), 0,
-                               early_termination_threshold=tree.early_termination_threshold,
-                               on_reward_error=tree.on_reward_error, stop_on_truncation=tree.stop_on_truncation,
-                               conversation=conversation_of(cfg.external, agents), stop_strings=tree.stop,
-                               user_code_timeout_s=tree.user_code_timeout_s)
+                               **path_options(tree, conversation_of(cfg.external, agents)))
             seconds = time.perf_counter() - start
             backend.close()
             turns = " ".join(f"{k.split('/')[1]}={v:.3f}" for k, v in sorted(metrics.items())

@@ -45,7 +45,7 @@ def breakdown(name: str, run: Path | None, out: Path, sizes: "exp.Sizes" = exp.F
     from magrpo.backends import make_backend
     from magrpo.cli import compose
     from magrpo.conversation import conversation_of
-    from magrpo.evaluation import run_paths
+    from magrpo.evaluation import path_options, run_paths
     from magrpo.generation import SamplingParams
     from magrpo.models import load_agents
     from magrpo.rollout import TreeSettings
@@ -62,10 +62,7 @@ def breakdown(name: str, run: Path | None, out: Path, sizes: "exp.Sizes" = exp.F
     try:
         paths = run_paths(problems, env, backend, feedback, cfg.trainer.num_turns,
                           SamplingParams(g.max_new_tokens, g.temperature, g.top_p, g.top_k, greedy=True),
-                          early_termination_threshold=tree.early_termination_threshold,
-                          on_reward_error=tree.on_reward_error, stop_on_truncation=tree.stop_on_truncation,
-                          conversation=conversation_of(cfg.external, agents), stop_strings=tree.stop,
-                          user_code_timeout_s=tree.user_code_timeout_s)
+                          **path_options(tree, conversation_of(cfg.external, agents)))
     finally:
         backend.close()
     kinds = [kind(p) for p in problems]

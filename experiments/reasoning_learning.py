@@ -165,7 +165,7 @@ def evaluate_untrained(sizes: Sizes, out: Path, arms: Sequence[str]) -> list[Pat
     from magrpo.backends import make_backend
     from magrpo.cli import compose
     from magrpo.conversation import conversation_of
-    from magrpo.evaluation import evaluate
+    from magrpo.evaluation import evaluate, path_options
     from magrpo.generation import SamplingParams
     from magrpo.models import load_agents
     from magrpo.rollout import TreeSettings
@@ -191,11 +191,8 @@ def evaluate_untrained(sizes: Sizes, out: Path, arms: Sequence[str]) -> list[Pat
             metrics = evaluate(env, backend, feedback, env.problems("eval"), cfg.trainer.num_turns,
                                SamplingParams(g.max_new_tokens, g.temperature, g.top_p, g.top_k), cfg.eval.num_samples,
                                seed=stream_key(cfg.trainer.seed, 0, EVAL_STREAM),
-                               early_termination_threshold=tree.early_termination_threshold,
-                               on_reward_error=tree.on_reward_error, stop_on_truncation=tree.stop_on_truncation,
-                               conversation=conversation_of(cfg.external, agents), stop_strings=tree.stop,
-                               user_code_timeout_s=tree.user_code_timeout_s,
-                               progress=turn_lines(name, cfg.trainer.num_turns, start))
+                               progress=turn_lines(name, cfg.trainer.num_turns, start),
+                               **path_options(tree, conversation_of(cfg.external, agents)))
         finally:
             backend.close()
         path.parent.mkdir(parents=True, exist_ok=True)

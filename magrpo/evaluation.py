@@ -33,6 +33,14 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return float(1.0 - np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
 
 
+def path_options(tree, conversation=None) -> dict[str, Any]:
+    """run_paths' and evaluate's keywords from a rollout.TreeSettings: evaluation paths stop early, handle
+    score errors, end at stop strings and time user code as the training trees do."""
+    return dict(early_termination_threshold=tree.early_termination_threshold, on_reward_error=tree.on_reward_error,
+                stop_on_truncation=tree.stop_on_truncation, conversation=conversation, stop_strings=tree.stop,
+                user_code_timeout_s=tree.user_code_timeout_s)
+
+
 def run_paths(problems, env, backend, feedback, num_turns, sampling, seed: int | None = None,
               world: World | None = None, early_termination_threshold: float | None = None,
               on_reward_error: str = "raise", stop_on_truncation: bool = False,

@@ -162,7 +162,8 @@ def weights_digest(model) -> str:
 
 def write_record(out: Path, record: Mapping[str, Any]) -> None:
     """`warm_start.json` in the built folder: how the build went, whether its kernels were pinned, and
-    the weights' sha256 (the same on every machine where it ran pinned: two machines can compare)."""
+    the saved weights' sha256, which two machines can compare (pinned, the same under one machine's kernel
+    sets; across CPU vendors it differs: magrpo.pinned)."""
     import hashlib
     import json
 

@@ -22,7 +22,7 @@ from .console import Interrupted, StopSignals, phase_lines, progress_bar, startu
 from .distributed import World, world_from_env
 from .env import Environment, call_env, check_problem_prompts, check_prompt_sizes, make_env
 from .errors import BEFORE_RUN, ConfigError, Stopped, TrainingError, log_traceback
-from .evaluation import evaluate
+from .evaluation import evaluate, path_options
 from .feedback import Feedback, FeedbackTarget, mode_for
 from .generation import SamplingParams
 from .guards import BadSteps, Halvable, oom_retry
@@ -373,10 +373,7 @@ class Run:
                   f"sample(s), {trainer.num_turns} turn(s)", file=sys.stderr)
         out = evaluate(self.env, self.backend, self.feedback, self.eval_problems, trainer.num_turns, self.sampling,
                        self.cfg.eval.num_samples, seed=stream_key(trainer.seed, step, EVAL_STREAM), world=self.world,
-                       early_termination_threshold=trainer.early_termination_threshold,
-                       on_reward_error=self.cfg.reward.on_error, stop_on_truncation=trainer.stop_on_truncation,
-                       conversation=self.conversation, stop_strings=self.tree.stop,
-                       user_code_timeout_s=self.tree.user_code_timeout_s, progress=self.eval_progress(step))
+                       progress=self.eval_progress(step), **path_options(self.tree, self.conversation))
         # What evaluation counted (the backend's tool calls, the feedback's expert requests: numbers reset on
         # read) is evaluation's own record, never carried into the next step's, which a resume would not repeat.
         counted = self.own_metrics(self.backend.metrics(), self.feedback.metrics())
