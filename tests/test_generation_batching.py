@@ -211,6 +211,38 @@ def test_equal_slices_in_reduced_precision_go_through_one_batched_product_with_t
     assert not calls
 
 
+@pytest.mark.parametrize("scaling,folded", [(8.0, True), (0.5, True), (1.5, False)])
+def test_a_power_of_two_scaling_is_folded_into_the_batched_b_with_the_same_bits(agents, scaling, folded):
+    """The batched hook multiplies B by a power-of-two scaling once (exact in every product and sum) instead of
+    scaling each layer's output; any other scaling keeps the multiply. Either way the logits are one slice at a
+    time's bits."""
+    from magrpo.backends.hf import RowAdapters
+
+    model = agents[0].model.eval().to(torch.bfloat16)
+    layers = [m for m in model.modules() if hasattr(m, "scaling") and hasattr(m, "lora_A")]
+    before = [dict(layer.scaling) for layer in layers]
+    try:
+        for layer in layers:
+            for name in layer.scaling:
+                layer.scaling[name] = scaling
+        ids = torch.randint(3, 200, (6, 7), generator=torch.Generator().manual_seed(4)).to(model.device)
+        rows = ["agent_0"] * 3 + ["agent_1"] * 3
+        batched, per_slice = RowAdapters(model), RowAdapters(model)
+        per_slice._batched = lambda weights, x: False
+        with torch.no_grad():
+            with batched.active():
+                got = model(input_ids=ids, **batched.rows(rows)).logits
+                stacked = batched._stacked(batched._weights(layers[0]), ("agent_0", "agent_1"))
+            with per_slice.active():
+                want = model(input_ids=ids, **per_slice.rows(rows)).logits
+        assert (stacked[2] is None) == folded
+        assert torch.equal(got, want)
+    finally:
+        for layer, scales in zip(layers, before):
+            layer.scaling.update(scales)
+        model.to(torch.float32)
+
+
 def test_the_batched_hooks_reused_buffers_give_the_fresh_tensors_bits_and_go_with_the_call(agents):
     """Without gradients the batched LoRA hook writes its intermediates into buffers reused from layer to layer
     (fresh large tensors cost page faults): a prefill's logits and KV cache are the same bits as the hook

@@ -9,6 +9,7 @@ samples and to sample without `torch.multinomial`, both large costs on CPU. A ca
 """
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from contextlib import contextmanager, nullcontext
 from functools import lru_cache, partial
@@ -635,8 +636,8 @@ class RowAdapters:
     @staticmethod
     def _stacked(weights: dict, names: tuple[str, ...]) -> tuple | None:
         """The adapters `names`, in order, stacked for two batched products (A as [slices, in, rank], B as
-        [slices, rank, out], the scalings as [slices, 1, 1]); None unless each is an adapter of this layer
-        of one shape, without bias or dropout."""
+        [slices, rank, out], the scalings as [slices, 1, 1], or None where they are folded into B); None
+        unless each is an adapter of this layer of one shape, without bias or dropout."""
         if any(name not in weights for name in names):
             return None
         picked = [weights[name] for name in names]
@@ -645,7 +646,12 @@ class RowAdapters:
             return None
         a = torch.stack([w[0] for w in picked]).transpose(1, 2)
         b = torch.stack([w[2] for w in picked]).transpose(1, 2)
-        return a, b, torch.tensor([w[4] for w in picked], dtype=a.dtype, device=a.device)[:, None, None]
+        scale = torch.tensor([w[4] for w in picked], dtype=a.dtype, device=a.device)[:, None, None]
+        if all(w[4] > 0 and math.frexp(w[4])[0] == 0.5 for w in picked):
+            # a power of two (alpha / r = 2 by default) scales every product and partial sum exactly, so
+            # h A (B s) is (h A B) s bit for bit: folded into B, one pass over the output less per layer
+            return a, b * scale, None
+        return a, b, scale
 
     def _add_lora_batched(self, weights: dict, x: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
         """`B(A(x)) * scaling` for every slice at once: two batched products over the slices' stacked
@@ -657,14 +663,17 @@ class RowAdapters:
         a, b, scale = weights[self.names]
         shape = (len(self.names), -1, x.shape[-1])  # the slices are equal runs of rows, in order
         if torch.is_grad_enabled() or not self.reuse_buffers:
-            delta = torch.bmm(torch.bmm(x.reshape(shape).to(a.dtype), a), b) * scale
+            delta = torch.bmm(torch.bmm(x.reshape(shape).to(a.dtype), a), b)
+            delta = delta if scale is None else delta * scale
             output += delta.reshape(output.shape).to(output.dtype)
             return output
         h = x.reshape(shape)
         if h.dtype != a.dtype:
             h = self._buffer(a.dtype, x.device, x.numel(), 0).view(h.shape).copy_(h)  # .to(a.dtype), in place
         delta = self._buffer(a.dtype, x.device, output.numel(), x.numel()).view(h.shape[0], h.shape[1], b.shape[-1])
-        torch.bmm(torch.bmm(h, a), b, out=delta).mul_(scale)
+        torch.bmm(torch.bmm(h, a), b, out=delta)
+        if scale is not None:
+            delta.mul_(scale)
         if delta.dtype != output.dtype:
             cast = self._buffer(output.dtype, x.device, output.numel(), 0).view(delta.shape)
             delta = cast.copy_(delta)  # rounds as .to(output.dtype) does
