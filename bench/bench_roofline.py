@@ -5,6 +5,8 @@ memory bandwidth and matrix rate, and what they take.
     python bench/bench_roofline.py --model smollm2-135m --rows 32    # SmolLM2-135M (~1 min on 2 cores)
     python bench/bench_roofline.py --model smollm2-135m --dtype bfloat16 --attention sdpa magrpo_sdpa --pairs 3
                                      # before / after magrpo/attention.py, alternating in one process
+    python bench/bench_roofline.py --model smollm2-135m --dtype bfloat16 --pairs 6 \
+        --attention magrpo_sdpa magrpo_sdpa_kernel_decode   # decode steps on grouped matmuls / torch's kernel
     python bench/bench_roofline.py --model smollm2-135m --dtype bfloat16 --lora-matmul-dtype float32 model --pairs 3
                                      # the update pass with lora.matmul_dtype float32 / model, alternating
 
@@ -162,7 +164,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokens", type=int, default=32, help="completion tokens (update)")
     parser.add_argument("--steps", type=int, nargs=2, default=(4, 20), help="decode steps of the short and long run")
     parser.add_argument("--attention", nargs="+", help="attention implementations to time the decode step with, "
-                        "in turn (sdpa: transformers' own; magrpo_sdpa: magrpo/attention.py, what magrpo loads)")
+                        "in turn (sdpa: transformers' own; magrpo_sdpa: magrpo/attention.py with decode steps on "
+                        "grouped matmuls; magrpo_sdpa_kernel_decode: with decode steps on torch's kernel; magrpo "
+                        "loads the latter on an Intel CPU with AVX512-BF16, the former elsewhere)")
     parser.add_argument("--cpu-weights", nargs="+", default=["packed"], choices=["packed", "plain"],
                         help="model.cpu_weights of the decode step, each in turn for --pairs rounds (packed: the "
                         "default; plain: oneDNN reorders each bfloat16 weight at every product)")

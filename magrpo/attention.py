@@ -1,6 +1,6 @@
 """Decode attention on a CPU in bfloat16 / float16, at float32's speed.
 
-torch's CPU SDPA kernel is slow for one query position in reduced precision: measured 2026-11-28
+torch's CPU SDPA kernel can be slow for one query position in reduced precision: measured 2026-11-28
 (torch 2.13, AMD EPYC with AVX512-BF16, one thread, loaded machine; 32 rows, 9 query and 3 key/value
 heads of 64, 160 keys: one layer of a SmolLM2-135M decode step) 10.7-11.2 ms in bfloat16, where the
 same attention as two grouped matmuls takes 1.4-2.1 ms; in bfloat16 attention was a third of a
@@ -21,14 +21,31 @@ Without gradients the float32 forward is slower (64 x 300 positions: 124-142 ms 
 prefills keep the kernel; the reference's forward gets `UPDATE` too, so at the adapters' start the
 policy's and the reference's log-probs are computed the same way.
 
-`use_on(model)` switches a loaded model from "sdpa" to this function (registered once under `NAME`,
-with sdpa's masks); models on other attention implementations are left as they are.
+Which decode attention is faster depends on the CPU. torch's kernel computes its bfloat16 products with
+oneMKL's bf16 GEMM (`GEMM_BF16BF16F32` under MKL_VERBOSE=1), and oneMKL picks its code by CPU vendor (here
+MKL_CBWR=COMPATIBLE alone makes the kernel ~2x slower): on the AMD EPYC above the kernel was ~8x slower
+than the grouped matmuls, and on a 2-core Intel Xeon with AMX and AVX512-BF16 it is 1.6-3x faster
+(measured 2026-11-29, idle, 2 threads, one SmolLM2 layer: 32 rows on 150 keys 519-597 us against
+1051-1076 us; 8 rows on 500 keys 235-245 against 670-688; 4 rows on 300 keys 102-106 against 304-450;
+64 rows on 300 keys 1757-1784 against 3094-3223; also under ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 and
+ATEN_CPU_CAPABILITY=avx2). The update's float32 attention pays on both (there: forward + backward of
+32 rows x 31 positions on 159 keys, 18-21 ms against 27-36 ms).
+
+`use_on(model)` switches a loaded model from "sdpa" to this module's attention, registered with sdpa's
+masks under one of two names: `KERNEL_DECODE` (decode steps on torch's kernel) on an Intel CPU with
+AVX512-BF16 (`kernel_decodes_faster`), `NAME` (decode steps on grouped matmuls) elsewhere; both run the
+update's forwards in float32. The two give the same tokens up to bfloat16 near ties, and a machine always
+picks the same one. Models on other attention implementations are left as they are.
 """
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 
-NAME = "magrpo_sdpa"
+NAME = "magrpo_sdpa"  # a bfloat16 / float16 decode step's attention as grouped matmuls
+KERNEL_DECODE = "magrpo_sdpa_kernel_decode"  # a bfloat16 decode step's on torch's SDPA kernel
+NAMES = (NAME, KERNEL_DECODE)
 UPDATE = "magrpo_update"  # a forward keyword: this forward is the update's (float32 attention, see above)
 REDUCED = (torch.bfloat16, torch.float16)
 
@@ -63,20 +80,45 @@ def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=No
     return out.reshape(batch, 1, heads, dim), None
 
 
+def kernel_decode(module, query, key, value, attention_mask, **kwargs):
+    """`KERNEL_DECODE`'s function: a bfloat16 call outside the update is transformers' SDPA (torch's kernel),
+    every other call `attention`'s (the update's in float32; float16, whose kernel path is unmeasured, grouped)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if kwargs.get(UPDATE) or query.dtype != torch.bfloat16:
+        return attention(module, query, key, value, attention_mask, **kwargs)
+    kwargs.pop(UPDATE, None)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+@lru_cache(maxsize=1)
+def kernel_decodes_faster() -> bool:
+    """Whether torch's SDPA kernel is the faster bfloat16 decode attention on this CPU (see above): an Intel
+    CPU (oneMKL's bf16 path) with AVX512-BF16. A fact of the machine, so a run always takes the same path."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            intel = any(line.startswith("vendor_id") and "GenuineIntel" in line for line in info)
+    except OSError:  # not Linux: the grouped matmuls, measured fast on every CPU tried
+        return False
+    return intel and torch.cpu._is_avx512_bf16_supported()
+
+
 def update_kwargs(model: torch.nn.Module) -> dict[str, bool]:
     """The keyword an update's forward of `model` passes: {UPDATE: True} when its attention is this
     module's, else nothing (another implementation would not know the keyword)."""
-    return {UPDATE: True} if getattr(model.config, "_attn_implementation", None) == NAME else {}
+    return {UPDATE: True} if getattr(model.config, "_attn_implementation", None) in NAMES else {}
 
 
 def use_on(model: torch.nn.Module) -> bool:
-    """Run `model`'s attention through `attention` where it runs through sdpa; True when it does."""
+    """Run `model`'s attention through this module where it runs through sdpa (`KERNEL_DECODE` where
+    `kernel_decodes_faster`, else `NAME`); True when it does."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
     if getattr(model.config, "_attn_implementation", None) != "sdpa":
         return False
-    AttentionInterface.register(NAME, attention)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)
-    model.set_attn_implementation(NAME)
+    for name, function in ((NAME, attention), (KERNEL_DECODE, kernel_decode)):
+        AttentionInterface.register(name, function)
+        ALL_MASK_ATTENTION_FUNCTIONS.register(name, sdpa_mask)
+    model.set_attn_implementation(KERNEL_DECODE if kernel_decodes_faster() else NAME)
     return True

@@ -1,7 +1,8 @@
 """magrpo/attention.py: a decode step's attention in bfloat16 on a CPU computed as grouped matmuls gives
 what transformers' SDPA gives, within bfloat16's own error, with grouped-query heads, padding masks and
 a model's scaling; every other call is SDPA's, bit for bit; loaded models use it and saved ones do not
-name it."""
+name it; on an Intel CPU with AVX512-BF16 the decode step goes to torch's kernel instead, bit for bit, and the
+update's forwards stay float32."""
 from __future__ import annotations
 
 import json
@@ -70,7 +71,8 @@ def test_a_loaded_model_uses_it_and_a_saved_one_does_not_name_it(make_cfg, tmp_p
 
     cfg = make_cfg("model.dtype=bfloat16", "agents=[{finetune: full}]")
     (agent,) = load_agents(cfg, 1)
-    assert agent.model.config._attn_implementation == attention.NAME
+    picked = attention.KERNEL_DECODE if attention.kernel_decodes_faster() else attention.NAME
+    assert agent.model.config._attn_implementation == picked
     ids, key = torch.tensor([[5, 6, 7, 8, 9]]), cache_keyword(agent.model)
 
     def step() -> torch.Tensor:  # a prefill, then one decode step through the cache
@@ -121,7 +123,7 @@ def test_the_update_passes_the_keyword_to_the_policy_and_the_reference(make_cfg,
         seen.append(bool(kwargs.get(attention.UPDATE)))
         return attention.attention(*args, **kwargs)
 
-    monkeypatch.setitem(AttentionInterface._global_mapping, attention.NAME, spy)
+    monkeypatch.setitem(AttentionInterface._global_mapping, agent.model.config._attn_implementation, spy)
     samples = [TrainSample([5, 6, 7], [8, 9, 10], 1.0), TrainSample([5, 6, 7], [11, 12], -1.0)]
     batch = pack(samples, agent.tokenizer.pad_token_id)
     policy, _ = forward_logprobs(agent.model, batch)
@@ -136,3 +138,29 @@ def test_the_update_passes_the_keyword_to_the_policy_and_the_reference(make_cfg,
     with torch.no_grad():
         agent.model(input_ids=torch.tensor([[5, 6, 7]]))
     assert seen == [False] * len(seen) and seen
+
+
+def test_the_kernel_decode_variant_is_sdpa_for_a_bfloat16_decode_and_the_grouped_module_otherwise():
+    m = module(9, 3)
+    q, k, v, mask = inputs(9, 3, 40, torch.bfloat16)
+    got, _ = attention.kernel_decode(m, q, k, v, mask, scaling=0.125)
+    want, _ = sdpa_attention_forward(m, q, k, v, mask, scaling=0.125)
+    grouped, _ = attention.attention(m, q, k, v, mask, scaling=0.125)
+    assert torch.equal(got, want) and not torch.equal(got, grouped)  # the two round apart: which one ran shows
+    update, _ = attention.kernel_decode(m, q, k, v, mask, scaling=0.125, **{attention.UPDATE: True})
+    exact, _ = sdpa_attention_forward(m, q.float(), k.float(), v.float(), mask, scaling=0.125)
+    assert torch.equal(update, exact.to(torch.bfloat16))  # the update's float32 attention
+    q, k, v, mask = inputs(9, 3, 40, torch.float16)
+    got, _ = attention.kernel_decode(m, q, k, v, mask, scaling=0.125)
+    assert torch.equal(got, attention.attention(m, q, k, v, mask, scaling=0.125)[0])  # float16: grouped
+
+
+@pytest.mark.parametrize("faster", [True, False])
+def test_a_loaded_model_takes_the_decode_attention_its_cpu_runs_faster(make_cfg, monkeypatch, faster):
+    from magrpo.models import load_agents
+
+    monkeypatch.setattr(attention, "kernel_decodes_faster", lambda: faster)
+    (agent,) = load_agents(make_cfg("model.dtype=bfloat16"), 1)
+    assert agent.model.config._attn_implementation == (attention.KERNEL_DECODE if faster else attention.NAME)
+    assert attention.update_kwargs(agent.model) == {attention.UPDATE: True}
+
