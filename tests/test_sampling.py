@@ -133,3 +133,34 @@ def test_a_table_of_stream_uniforms_holds_exactly_each_step_s_draws():
     assert table.shape == (52, 40) and table.dtype == torch.float64
     for t in range(40):
         assert torch.equal(table[:, t], stream_uniforms(keys, t))
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.0, 50, 0.9), (1.3, 0, 0.8)])
+def test_a_decodes_scratch_buffers_give_the_fresh_tensors_bits_step_after_step(temperature, top_k, top_p):
+    """A decode's sampler writes into buffers reused from step to step (magrpo.sampling.Scratch): the same
+    log-probs and tokens bit for bit as fresh tensors, as the rows shrink and grow again."""
+    from magrpo.sampling import Scratch
+
+    g = torch.Generator().manual_seed(1)
+    scratch = Scratch()
+    for rows in (8, 8, 5, 3, 8):  # rows leave a decode; a larger request grows the buffers
+        logits = (torch.randn(rows, 4999, generator=g) * 4).bfloat16()
+        uniforms = torch.rand(rows, dtype=torch.float64, generator=g)
+        want_logp = sampling_logprobs(logits, temperature, top_k, top_p)
+        want = sample(want_logp, uniforms)
+        got_logp = sampling_logprobs(logits, temperature, top_k, top_p, scratch)
+        assert torch.equal(got_logp, want_logp)
+        assert torch.equal(sample(got_logp, uniforms, scratch), want)
+        assert torch.equal(got_logp, want_logp)  # sampling leaves the log-probs' buffer alone
+
+
+def test_scratch_hands_out_the_same_memory_until_a_request_outgrows_it():
+    from magrpo.sampling import Scratch
+
+    scratch = Scratch()
+    first = scratch("cdf", torch.empty(4, 10), torch.float64)
+    again = scratch("cdf", torch.empty(3, 10), torch.float64)
+    assert first.dtype == again.dtype == torch.float64 and again.shape == (3, 10)
+    assert again.data_ptr() == first.data_ptr()
+    assert scratch("scores", torch.empty(4, 10)).data_ptr() != first.data_ptr()  # another name, other memory
+    assert scratch("cdf", torch.empty(5, 10), torch.float64).shape == (5, 10)

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from ..generation import GenerationRequest, SamplingParams
 from ..models import Agent, cache_keyword
-from ..sampling import sample, sampling_logprobs, stream_key, stream_uniforms
+from ..sampling import Scratch, sample, sampling_logprobs, stream_key, stream_uniforms
 from ..tree import Completion
 from .base import encode_requests
 from .hf_linear import PackedLinears
@@ -363,6 +363,7 @@ def decode(
     uniforms = None if params.greedy else stream_uniforms(stream_keys, torch.arange(steps, device=device))
     finished = torch.zeros(len(expand), dtype=torch.bool, device=device)  # per batch row
     states = {} if keep_states else None
+    scratch = Scratch()  # the sampler's (rows, vocabulary) tensors, reused from step to step
     packed = linears.active() if linears is not None else nullcontext()
     with (routing or RowAdapters(model)).active() as routing, packed:
         with contiguous_head_input(model):
@@ -381,8 +382,8 @@ def decode(
         if fixed is None:
             reserve(cache, steps)  # each step writes its position in place instead of copying the cache
         for step in range(steps):
-            logp = sampling_logprobs(logits, params.temperature, params.top_k, params.top_p)
-            nxt = logp.argmax(-1) if params.greedy else sample(logp, uniforms[alive, step])
+            logp = sampling_logprobs(logits, params.temperature, params.top_k, params.top_p, scratch)
+            nxt = logp.argmax(-1) if params.greedy else sample(logp, uniforms[alive, step], scratch)
             if new_logprobs is not None:
                 new_logprobs[alive, step] = logp.gather(-1, nxt[:, None]).squeeze(-1)
             nxt = torch.where(finished, torch.full_like(nxt, pad_id), nxt)
