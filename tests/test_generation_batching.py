@@ -243,6 +243,35 @@ def test_a_power_of_two_scaling_is_folded_into_the_batched_b_with_the_same_bits(
         model.to(torch.float32)
 
 
+def test_projections_of_one_input_share_the_batched_hooks_cast_with_the_same_bits(agents):
+    """q, k and v take one input, as do the MLP's gate and up: the batched hook casts it to the adapters' float32
+    once for them (4 casts per decoder layer, not 7), and the logits stay one slice at a time's bits."""
+    from magrpo.backends.hf import RowAdapters
+
+    model = agents[0].model.eval().to(torch.bfloat16)
+    for name, param in model.named_parameters():
+        if "lora_" in name:  # as models.py keeps them in a bfloat16 model: the hook casts its input
+            param.data = param.data.float()
+    try:
+        ids = torch.randint(3, 200, (6, 7), generator=torch.Generator().manual_seed(5)).to(model.device)
+        rows = ["agent_0"] * 3 + ["agent_1"] * 3
+        shared, per_slice, casts = RowAdapters(model), RowAdapters(model), []
+        real = shared._buffer
+        shared._buffer = lambda dtype, device, size, offset: (casts.append(1) if offset == 0 and dtype == torch.float32
+                                                               else None) or real(dtype, device, size, offset)
+        per_slice._batched = lambda weights, x: False
+        with torch.no_grad():
+            with shared.active():
+                got = model(input_ids=ids, **shared.rows(rows)).logits
+            with per_slice.active():
+                want = model(input_ids=ids, **per_slice.rows(rows)).logits
+        layers = model.get_base_model().config.num_hidden_layers
+        assert len(shared.layers) == 7 * layers and len(casts) == 4 * layers
+        assert torch.equal(got, want) and shared.last_cast is None  # let go with the call
+    finally:
+        model.to(torch.float32)
+
+
 def test_the_batched_hooks_reused_buffers_give_the_fresh_tensors_bits_and_go_with_the_call(agents):
     """Without gradients the batched LoRA hook writes its intermediates into buffers reused from layer to layer
     (fresh large tensors cost page faults): a prefill's logits and KV cache are the same bits as the hook

@@ -544,6 +544,7 @@ class RowAdapters:
         self.even = False  # two or more slices of the same number of rows
         self.reuse_buffers = reuse_buffers  # False: the batched hook makes fresh tensors (the benchmark's "before")
         self.scratch: dict[tuple, torch.Tensor] = {}  # (dtype, device) -> a flat buffer the batched hook reuses
+        self.last_cast: tuple | None = None  # (input, its version, its cast in the scratch): q, k and v share one
 
     @contextmanager
     def active(self) -> Iterator[RowAdapters]:
@@ -579,6 +580,7 @@ class RowAdapters:
             for handle in handles:
                 handle.remove()
             self.scratch.clear()  # a prefill's buffers can be large: kept for one decode call only
+            self.last_cast = None
 
     def rows(self, adapters: Sequence[str]) -> dict:
         """Route the next forwards' rows to `adapters` (one name per row); returns the forward's extra
@@ -670,7 +672,7 @@ class RowAdapters:
             return output
         h = x.reshape(shape)
         if h.dtype != a.dtype:
-            h = self._buffer(a.dtype, x.device, x.numel(), 0).view(h.shape).copy_(h)  # .to(a.dtype), in place
+            h = self._cast(x, h, a.dtype)
         delta = self._buffer(a.dtype, x.device, output.numel(), x.numel()).view(h.shape[0], h.shape[1], b.shape[-1])
         torch.bmm(torch.bmm(h, a), b, out=delta)
         if scale is not None:
@@ -680,6 +682,18 @@ class RowAdapters:
             delta = cast.copy_(delta)  # rounds as .to(output.dtype) does
         output += delta.reshape(output.shape)
         return output
+
+    def _cast(self, x: torch.Tensor, h: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """`h` (a view of the layer's input `x`) as `dtype`, in the scratch buffer's start: the cast the hook
+        made last when `x` is the same unchanged tensor (a decoder layer's q, k and v projections take one
+        input, as do an MLP's gate and up: 3 casts of 7 per layer less), else a new one. Only this writes the
+        buffer's start, so the last cast holds until the next; a grown buffer leaves it in the old memory."""
+        last = self.last_cast
+        if last is not None and last[0] is x and last[1] == x._version and last[2].dtype == dtype:
+            return last[2]
+        cast = self._buffer(dtype, x.device, x.numel(), 0).view(h.shape).copy_(h)  # .to(dtype), in place
+        self.last_cast = (x, x._version, cast)
+        return cast
 
     def _buffer(self, dtype: torch.dtype, device: torch.device, size: int, offset: int) -> torch.Tensor:
         """`size` elements at `offset` of this dtype's scratch buffer, grown (never shrunk) to hold them."""
