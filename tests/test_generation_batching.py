@@ -211,6 +211,21 @@ def test_equal_slices_in_reduced_precision_go_through_one_batched_product_with_t
     assert not calls
 
 
+def routed_and_per_slice(model, routing, ids: torch.Tensor, rows: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logits of `ids`, row i through adapter rows[i]: by `routing`, and by a RowAdapters that takes one
+    slice at a time."""
+    from magrpo.backends.hf import RowAdapters
+
+    per_slice = RowAdapters(model)
+    per_slice._batched = lambda weights, x: False
+    with torch.no_grad():
+        with routing.active():
+            got = model(input_ids=ids, **routing.rows(rows)).logits
+        with per_slice.active():
+            want = model(input_ids=ids, **per_slice.rows(rows)).logits
+    return got, want
+
+
 @pytest.mark.parametrize("scaling,folded", [(8.0, True), (0.5, True), (1.5, False)])
 def test_a_power_of_two_scaling_is_folded_into_the_batched_b_with_the_same_bits(agents, scaling, folded):
     """The batched hook multiplies B by a power-of-two scaling once (exact in every product and sum) instead of
@@ -226,15 +241,8 @@ def test_a_power_of_two_scaling_is_folded_into_the_batched_b_with_the_same_bits(
             for name in layer.scaling:
                 layer.scaling[name] = scaling
         ids = torch.randint(3, 200, (6, 7), generator=torch.Generator().manual_seed(4)).to(model.device)
-        rows = ["agent_0"] * 3 + ["agent_1"] * 3
-        batched, per_slice = RowAdapters(model), RowAdapters(model)
-        per_slice._batched = lambda weights, x: False
-        with torch.no_grad():
-            with batched.active():
-                got = model(input_ids=ids, **batched.rows(rows)).logits
-                stacked = batched._stacked(batched._weights(layers[0]), ("agent_0", "agent_1"))
-            with per_slice.active():
-                want = model(input_ids=ids, **per_slice.rows(rows)).logits
+        got, want = routed_and_per_slice(model, RowAdapters(model), ids, ["agent_0"] * 3 + ["agent_1"] * 3)
+        stacked = RowAdapters._stacked(RowAdapters._weights(layers[0]), ("agent_0", "agent_1"))
         assert (stacked[2] is None) == folded
         assert torch.equal(got, want)
     finally:
@@ -254,17 +262,11 @@ def test_projections_of_one_input_share_the_batched_hooks_cast_with_the_same_bit
             param.data = param.data.float()
     try:
         ids = torch.randint(3, 200, (6, 7), generator=torch.Generator().manual_seed(5)).to(model.device)
-        rows = ["agent_0"] * 3 + ["agent_1"] * 3
-        shared, per_slice, casts = RowAdapters(model), RowAdapters(model), []
+        shared, casts = RowAdapters(model), []
         real = shared._buffer
         shared._buffer = lambda dtype, device, size, offset: (casts.append(1) if offset == 0 and dtype == torch.float32
                                                                else None) or real(dtype, device, size, offset)
-        per_slice._batched = lambda weights, x: False
-        with torch.no_grad():
-            with shared.active():
-                got = model(input_ids=ids, **shared.rows(rows)).logits
-            with per_slice.active():
-                want = model(input_ids=ids, **per_slice.rows(rows)).logits
+        got, want = routed_and_per_slice(model, shared, ids, ["agent_0"] * 3 + ["agent_1"] * 3)
         layers = model.get_base_model().config.num_hidden_layers
         assert len(shared.layers) == 7 * layers and len(casts) == 4 * layers
         assert torch.equal(got, want) and shared.last_cast is None  # let go with the call
