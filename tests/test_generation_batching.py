@@ -2,6 +2,8 @@
 samples; completions cut at EOS from token ids; generation and training agree on log-probs."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -27,6 +29,7 @@ def agents(tmp_path_factory):
     from tests.conftest import SMALL, compose
 
     cfg = compose([*SMALL, "lora.r=4"])
+    torch.manual_seed(0)  # peft draws the adapters' A at load: the same agents in every process
     agents = load_agents(cfg, 2)
     # Make the adapters differ from the base so mixed-adapter routing matters.
     torch.manual_seed(0)
@@ -34,6 +37,12 @@ def agents(tmp_path_factory):
         if "lora_B" in name:
             p.data.normal_(0, 0.2)
     return agents
+
+
+def bfloat16_copy(agents):
+    """The agents' model in bfloat16, as a copy: a round trip of the shared one through bfloat16 would round its
+    weights for every later test of this module."""
+    return copy.deepcopy(agents[0].model).eval().to(torch.bfloat16)
 
 
 @pytest.mark.parametrize("batch,k", [(1, 2), (3, 4)])
@@ -184,7 +193,7 @@ def test_equal_slices_in_reduced_precision_go_through_one_batched_product_with_t
     runs and float32 take the per-slice path."""
     from magrpo.backends.hf import RowAdapters
 
-    model = agents[0].model.eval().to(torch.bfloat16)
+    model = bfloat16_copy(agents)
     try:
         ids = torch.randint(3, 200, (6, 7), generator=torch.Generator().manual_seed(2)).to(model.device)
         rows = ["agent_0"] * 3 + ["agent_1"] * 3
@@ -233,7 +242,7 @@ def test_a_power_of_two_scaling_is_folded_into_the_batched_b_with_the_same_bits(
     time's bits."""
     from magrpo.backends.hf import RowAdapters
 
-    model = agents[0].model.eval().to(torch.bfloat16)
+    model = bfloat16_copy(agents)
     layers = [m for m in model.modules() if hasattr(m, "scaling") and hasattr(m, "lora_A")]
     before = [dict(layer.scaling) for layer in layers]
     try:
@@ -256,7 +265,7 @@ def test_projections_of_one_input_share_the_batched_hooks_cast_with_the_same_bit
     once for them (4 casts per decoder layer, not 7), and the logits stay one slice at a time's bits."""
     from magrpo.backends.hf import RowAdapters
 
-    model = agents[0].model.eval().to(torch.bfloat16)
+    model = bfloat16_copy(agents)
     for name, param in model.named_parameters():
         if "lora_" in name:  # as models.py keeps them in a bfloat16 model: the hook casts its input
             param.data = param.data.float()
@@ -280,7 +289,7 @@ def test_the_batched_hooks_reused_buffers_give_the_fresh_tensors_bits_and_go_wit
     computing in fresh tensors (its path with gradients), and the buffers are freed when the call ends."""
     from magrpo.backends.hf import RowAdapters
 
-    model = agents[0].model.eval().to(torch.bfloat16)
+    model = bfloat16_copy(agents)
     for name, param in model.named_parameters():
         if "lora_" in name:  # as models.py keeps them in a bfloat16 model: the hook casts its sum for the layer
             param.data = param.data.float()
