@@ -20,6 +20,7 @@ def bf16_reorder_here() -> bool:
 
 @pytest.fixture
 def agents(make_cfg):
+    torch.manual_seed(0)  # peft draws the adapters' A at load: the same agents in every process
     agents = load_agents(make_cfg("model.dtype=bfloat16", "model.device=cpu"), 2)
     torch.manual_seed(0)
     with torch.no_grad():

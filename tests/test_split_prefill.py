@@ -9,6 +9,7 @@ from magrpo.backends.hf import decode
 from magrpo.backends.hf_prefill import group_cost, length_groups
 from magrpo.generation import SamplingParams
 from magrpo.models import load_agents
+from tests.near_ties import same_up_to_a_near_tie, shared_prefix
 
 
 def cost(lengths, groups, group_cost):
@@ -43,6 +44,7 @@ def test_a_forward_costs_fewer_tokens_of_a_larger_model():
 def agents():
     from tests.conftest import SMALL, compose
 
+    torch.manual_seed(0)  # peft draws the adapters' A at load: the same agents in every process
     agents = load_agents(compose([*SMALL, "lora.r=4"]), 2)
     torch.manual_seed(0)
     for name, param in agents[0].model.named_parameters():
@@ -54,8 +56,8 @@ def agents():
 @pytest.mark.parametrize("greedy", [True, False])
 def test_a_split_prefill_samples_what_one_prefill_does(agents, greedy, monkeypatch):
     """Prompts of 3 to 60 tokens, both agents, 3 samples each: split into groups (a forward priced as 64 of
-    its tokens, as for a real model: the tiny one's own price never splits), the same tokens, and log-probs
-    within float rounding of one left-padded prefill's."""
+    its tokens, as for a real model: the tiny one's own price never splits), the same tokens (sampled: up to a
+    near tie), and log-probs within float rounding of one left-padded prefill's."""
     import magrpo.backends.hf as hf
     from magrpo.backends import hf_prefill
 
@@ -76,11 +78,19 @@ def test_a_split_prefill_samples_what_one_prefill_does(agents, greedy, monkeypat
 
     whole, split = run(False), run(True)
     assert not seen[:-1] and len(seen[-1]) >= 2  # only the split decode grouped, into two or more groups
-    assert torch.equal(whole.tokens, split.tokens)
-    torch.testing.assert_close(split.logprobs, whole.logprobs, rtol=0, atol=1e-5)
+    for row in range(len(expand)):  # another batch shape: a sampled token may swap at a near tie (near_ties.py)
+        got, want = split.tokens[row].tolist(), whole.tokens[row].tolist()
+        assert got == want if greedy else same_up_to_a_near_tie(got, want), (row, got, want)
+        n = shared_prefix(got, want)
+        torch.testing.assert_close(split.logprobs[row, :n], whole.logprobs[row, :n], rtol=0, atol=1e-5)
 
 
 def test_the_joined_cache_is_one_prefills_where_rows_attend_and_zeros_elsewhere(agents):
+    """Where rows attend, the joined cache is as close to the exact (float64) cache as one prefill's: the two
+    float32 computations round apart by tens of ulps of keys and values up to ~10 (2.5e-5 for some adapters),
+    so the reference is float64, not the other float32 one."""
+    import copy
+
     from magrpo.backends.hf import RowAdapters, prefill
 
     model = agents[0].model.eval()
@@ -89,20 +99,26 @@ def test_the_joined_cache_is_one_prefills_where_rows_attend_and_zeros_elsewhere(
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
     attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     adapters = [agents[0].adapter] * 2 + [agents[1].adapter] * 2
-    routing = RowAdapters(model)
-    with torch.no_grad(), routing.active():
-        logits, whole = prefill(model, ids, attention, {}, adapters, routing, [])
-        split_logits, joined = prefill(model, ids, attention, {}, adapters, routing, [[0, 2], [1, 3]])
+    exact_model = copy.deepcopy(model).double()
+    with torch.no_grad():
+        with RowAdapters(model).active() as routing:
+            logits, whole = prefill(model, ids, attention, {}, adapters, routing, [])
+            split_logits, joined = prefill(model, ids, attention, {}, adapters, routing, [[0, 2], [1, 3]])
+        with RowAdapters(exact_model).active() as routing:
+            _, exact = prefill(exact_model, ids, attention, {}, adapters, routing, [])
     torch.testing.assert_close(split_logits, logits, rtol=0, atol=1e-5)
-    for a, b in zip(whole.layers, joined.layers):
+    errors = {"whole": 0.0, "joined": 0.0}
+    for a, b, c in zip(whole.layers, joined.layers, exact.layers):
         for side in ("keys", "values"):
-            got, want = getattr(b, side), getattr(a, side)
+            got, want, truth = getattr(b, side), getattr(a, side), getattr(c, side)
             assert got.shape == want.shape
             real = attention.bool()[:, None, :, None].expand_as(got)
-            torch.testing.assert_close(got[real], want[real], rtol=0, atol=1e-5)
+            errors["whole"] = max(errors["whole"], (want[real].double() - truth[real]).abs().max().item())
+            errors["joined"] = max(errors["joined"], (got[real].double() - truth[real]).abs().max().item())
             short = torch.zeros_like(real)
             short[[0, 2], :, : width - 4] = True  # left of the short group's own width: never computed
             assert not got[short].any()
+    assert 0 < errors["joined"] <= 2 * errors["whole"] + 2e-6 and errors["joined"] < 1e-4, errors
 
 
 def test_a_model_with_sliding_window_layers_prefills_once(monkeypatch):

@@ -29,6 +29,7 @@ REQUESTS = [GenerationRequest("def f(x):", 0, 2, seed=1),
 def agents():
     from tests.conftest import SMALL, compose
 
+    torch.manual_seed(0)  # peft draws the adapters' A at load: the same agents in every process
     agents = load_agents(compose([*SMALL, "lora.r=4"]), 2)
     torch.manual_seed(0)
     for agent, scale in zip(agents, (0.2, 0.4)):  # adapters unlike the base and each other: routing matters

@@ -390,10 +390,13 @@ def test_tools_compose_from_names_and_modules(run_cli, make_cfg):
 
 @pytest.fixture(scope="module")
 def tiny_backend():
+    import torch
+
     from magrpo.backends.hf import HFBackend
     from magrpo.models import load_agents
     from tests.conftest import SMALL, compose
 
+    torch.manual_seed(0)  # peft draws the adapter's A at load: the same agent in every process
     return HFBackend(load_agents(compose([*SMALL, "lora.r=4"]), 1))
 
 
