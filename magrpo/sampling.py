@@ -10,6 +10,9 @@ out-of-memory) sample exactly what one process would have sampled.
 """
 from __future__ import annotations
 
+import math
+from typing import Sequence
+
 import torch
 
 MASK32 = 0xFFFFFFFF
@@ -53,22 +56,30 @@ def stream_uniforms(keys: torch.Tensor, counter: int | torch.Tensor) -> torch.Te
 
 
 class Scratch:
-    """Buffers a decode's sampler reuses from one step to the next. Its (rows, vocabulary) float32 and float64
-    tensors, made fresh at every step, were new pages from the kernel each time (glibc maps blocks this large
-    anew): ~6100 page faults and three quarters of the sampler's time at 32 rows of a 49k vocabulary (10.6-14.6
-    ms against 2.6-3.7 ms per step; Intel Xeon, 2 threads, 2026-11-29). The same operations write into kept
-    memory, so the same bits. A tensor it hands out holds until its next request under the same name."""
+    """Named buffers reused from call to call, each grown (never shrunk) to the largest request. Large tensors
+    made fresh at every call are new pages from the kernel each time (glibc maps blocks this large anew). A
+    decode's sampler: its (rows, vocabulary) float32 and float64 tensors were ~6100 page faults and three
+    quarters of its time per step at 32 rows of a 49k vocabulary (10.6-14.6 ms against 2.6-3.7 ms; Intel Xeon,
+    2 threads, 2026-11-29). The batched LoRA hook (magrpo.backends.hf.RowAdapters): a prefill's intermediates.
+    The same operations write into kept memory, so the same bits. A tensor it hands out holds until its next
+    request under the same name and dtype."""
 
     def __init__(self):
         self.flat: dict[tuple, torch.Tensor] = {}
 
-    def __call__(self, name: str, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """An uninitialised tensor of `like`'s shape (and its dtype unless `dtype`), in buffer `name`."""
-        key = (name, dtype or like.dtype, like.device)
+    def __call__(self, name: str, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """An uninitialised tensor of `shape` and `dtype` on `device`, in buffer `name`."""
+        size, key = math.prod(shape), (name, dtype, device)
         flat = self.flat.get(key)
-        if flat is None or flat.numel() < like.numel():
-            flat = self.flat[key] = torch.empty(like.numel(), dtype=key[1], device=like.device)
-        return flat[: like.numel()].view(like.shape)
+        if flat is None or flat.numel() < size:
+            flat = self.flat[key] = torch.empty(size, dtype=dtype, device=device)
+        return flat[:size].view(shape)
+
+    def __len__(self) -> int:
+        return len(self.flat)
+
+    def clear(self) -> None:
+        self.flat.clear()
 
 
 def sampling_logprobs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
@@ -79,7 +90,7 @@ def sampling_logprobs(logits: torch.Tensor, temperature: float, top_k: int, top_
     if scratch is None:
         scores = logits.float() if temperature == 1.0 else logits.float() / temperature  # x / 1.0 is x: skip a pass
     else:
-        scores = scratch("scores", logits, torch.float32).copy_(logits)
+        scores = scratch("scores", logits.shape, torch.float32, logits.device).copy_(logits)
         if temperature != 1.0:
             scores.div_(temperature)
     if 0 < top_k < scores.shape[-1]:
@@ -89,7 +100,7 @@ def sampling_logprobs(logits: torch.Tensor, temperature: float, top_k: int, top_
         scores = scores.masked_fill(~top_p_keep(scores, top_p), float("-inf"))
     if scratch is None:
         return scores.log_softmax(-1)
-    return torch.log_softmax(scores, -1, out=scratch("logprobs", scores))
+    return torch.log_softmax(scores, -1, out=scratch("logprobs", scores.shape, scores.dtype, scores.device))
 
 
 def top_p_keep(scores: torch.Tensor, top_p: float, first_k: int = 64) -> torch.Tensor:
@@ -125,8 +136,8 @@ def sample(logprobs: torch.Tensor, uniforms: torch.Tensor | None = None, scratch
     if scratch is None:
         cdf = logprobs.exp().cumsum(-1, dtype=torch.float64)  # exp is exact enough per token; the sum is not
     else:
-        probs = torch.exp(logprobs, out=scratch("scores", logprobs, torch.float32))
-        cdf = torch.cumsum(probs, -1, dtype=torch.float64, out=scratch("cdf", probs, torch.float64))
+        probs = torch.exp(logprobs, out=scratch("scores", logprobs.shape, torch.float32, logprobs.device))
+        cdf = torch.cumsum(probs, -1, dtype=torch.float64, out=scratch("cdf", probs.shape, torch.float64, probs.device))
     if uniforms is None:
         uniforms = torch.rand(cdf.shape[0], device=cdf.device, dtype=torch.float64)
     total = cdf[:, -1:].contiguous()

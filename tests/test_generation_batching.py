@@ -15,7 +15,7 @@ from magrpo.feedback import Feedback
 from magrpo.generation import GenerationRequest, SamplingParams
 from magrpo.models import load_agents
 from magrpo.rollout import expand_trees
-from magrpo.sampling import stream_key
+from magrpo.sampling import Scratch, stream_key
 from magrpo.tiny import TinySpec, tiny_model_path
 from magrpo.update import TrainSample, forward_logprobs, pack
 from tests.fakes import tree_settings
@@ -39,10 +39,16 @@ def agents(tmp_path_factory):
     return agents
 
 
-def bfloat16_copy(agents):
+def bfloat16_copy(agents, float_adapters: bool = False):
     """The agents' model in bfloat16, as a copy: a round trip of the shared one through bfloat16 would round its
-    weights for every later test of this module."""
-    return copy.deepcopy(agents[0].model).eval().to(torch.bfloat16)
+    weights for every later test of this module. `float_adapters`: the LoRA weights float32 again, as models.py
+    keeps them in a bfloat16 model (the batched hook then casts its input and its sum)."""
+    model = copy.deepcopy(agents[0].model).eval().to(torch.bfloat16)
+    if float_adapters:
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.data = param.data.float()
+    return model
 
 
 @pytest.mark.parametrize("batch,k", [(1, 2), (3, 4)])
@@ -187,39 +193,6 @@ def test_row_adapters_compute_what_peft_mixed_batching_does(agents, grouped):
     assert torch.equal(after, want)  # hooks removed, adapters enabled again
 
 
-def test_equal_slices_in_reduced_precision_go_through_one_batched_product_with_the_same_bits(agents):
-    """bfloat16 rows in equal runs per agent (a decode's usual shape): both adapters in two batched products
-    per layer, the same logits bit for bit as one slice at a time (and as peft's mixed batching); unequal
-    runs and float32 take the per-slice path."""
-    from magrpo.backends.hf import RowAdapters
-
-    model = bfloat16_copy(agents)
-    try:
-        ids = torch.randint(3, 200, (6, 7), generator=torch.Generator().manual_seed(2)).to(model.device)
-        rows = ["agent_0"] * 3 + ["agent_1"] * 3
-        batched, calls = RowAdapters(model), []
-        real = batched._add_lora_batched
-        batched._add_lora_batched = lambda *a: calls.append(1) or real(*a)
-        per_slice = RowAdapters(model)
-        per_slice._batched = lambda weights, x: False
-        with torch.no_grad():
-            with batched.active():
-                got = model(input_ids=ids, **batched.rows(rows)).logits
-            with per_slice.active():
-                want = model(input_ids=ids, **per_slice.rows(rows)).logits
-            peft = model(input_ids=ids, adapter_names=rows).logits
-            assert calls and torch.equal(got, want) and torch.equal(got, peft)
-            calls.clear()
-            with batched.active():  # runs of 4 and 2 rows: one slice at a time
-                model(input_ids=ids, **batched.rows(["agent_0"] * 4 + ["agent_1"] * 2))
-            assert not calls
-    finally:
-        model.to(torch.float32)
-    with torch.no_grad(), batched.active():  # float32: one slice at a time (its goldens are bit-exact)
-        model(input_ids=ids, **batched.rows(rows))
-    assert not calls
-
-
 def routed_and_per_slice(model, routing, ids: torch.Tensor, rows: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
     """The logits of `ids`, row i through adapter rows[i]: by `routing`, and by a RowAdapters that takes one
     slice at a time."""
@@ -235,6 +208,32 @@ def routed_and_per_slice(model, routing, ids: torch.Tensor, rows: list[str]) -> 
     return got, want
 
 
+def test_equal_slices_in_reduced_precision_go_through_one_batched_product_with_the_same_bits(agents):
+    """bfloat16 rows in equal runs per agent (a decode's usual shape): both adapters in two batched products
+    per layer, the same logits bit for bit as one slice at a time (and as peft's mixed batching); unequal
+    runs and float32 take the per-slice path."""
+    from magrpo.backends.hf import RowAdapters
+
+    model = bfloat16_copy(agents)
+    ids = torch.randint(3, 200, (6, 7), generator=torch.Generator().manual_seed(2)).to(model.device)
+    rows = ["agent_0"] * 3 + ["agent_1"] * 3
+    batched, calls = RowAdapters(model), []
+    real = batched._add_lora_batched
+    batched._add_lora_batched = lambda *a: calls.append(1) or real(*a)
+    got, want = routed_and_per_slice(model, batched, ids, rows)
+    with torch.no_grad():
+        peft = model(input_ids=ids, adapter_names=rows).logits
+        assert calls and torch.equal(got, want) and torch.equal(got, peft)
+        calls.clear()
+        with batched.active():  # runs of 4 and 2 rows: one slice at a time
+            model(input_ids=ids, **batched.rows(["agent_0"] * 4 + ["agent_1"] * 2))
+        assert not calls
+        model.to(torch.float32)
+        with batched.active():  # float32: one slice at a time (its goldens are bit-exact)
+            model(input_ids=ids, **batched.rows(rows))
+    assert not calls
+
+
 @pytest.mark.parametrize("scaling,folded", [(8.0, True), (0.5, True), (1.5, False)])
 def test_a_power_of_two_scaling_is_folded_into_the_batched_b_with_the_same_bits(agents, scaling, folded):
     """The batched hook multiplies B by a power-of-two scaling once (exact in every product and sum) instead of
@@ -244,20 +243,14 @@ def test_a_power_of_two_scaling_is_folded_into_the_batched_b_with_the_same_bits(
 
     model = bfloat16_copy(agents)
     layers = [m for m in model.modules() if hasattr(m, "scaling") and hasattr(m, "lora_A")]
-    before = [dict(layer.scaling) for layer in layers]
-    try:
-        for layer in layers:
-            for name in layer.scaling:
-                layer.scaling[name] = scaling
-        ids = torch.randint(3, 200, (6, 7), generator=torch.Generator().manual_seed(4)).to(model.device)
-        got, want = routed_and_per_slice(model, RowAdapters(model), ids, ["agent_0"] * 3 + ["agent_1"] * 3)
-        stacked = RowAdapters._stacked(RowAdapters._weights(layers[0]), ("agent_0", "agent_1"))
-        assert (stacked[2] is None) == folded
-        assert torch.equal(got, want)
-    finally:
-        for layer, scales in zip(layers, before):
-            layer.scaling.update(scales)
-        model.to(torch.float32)
+    for layer in layers:
+        for name in layer.scaling:
+            layer.scaling[name] = scaling
+    ids = torch.randint(3, 200, (6, 7), generator=torch.Generator().manual_seed(4)).to(model.device)
+    got, want = routed_and_per_slice(model, RowAdapters(model), ids, ["agent_0"] * 3 + ["agent_1"] * 3)
+    stacked = RowAdapters._stacked(RowAdapters._weights(layers[0]), ("agent_0", "agent_1"))
+    assert (stacked[2] is None) == folded
+    assert torch.equal(got, want)
 
 
 def test_projections_of_one_input_share_the_batched_hooks_cast_with_the_same_bits(agents):
@@ -265,22 +258,21 @@ def test_projections_of_one_input_share_the_batched_hooks_cast_with_the_same_bit
     once for them (4 casts per decoder layer, not 7), and the logits stay one slice at a time's bits."""
     from magrpo.backends.hf import RowAdapters
 
-    model = bfloat16_copy(agents)
-    for name, param in model.named_parameters():
-        if "lora_" in name:  # as models.py keeps them in a bfloat16 model: the hook casts its input
-            param.data = param.data.float()
-    try:
-        ids = torch.randint(3, 200, (6, 7), generator=torch.Generator().manual_seed(5)).to(model.device)
-        shared, casts = RowAdapters(model), []
-        real = shared._buffer
-        shared._buffer = lambda dtype, device, size, offset: (casts.append(1) if offset == 0 and dtype == torch.float32
-                                                               else None) or real(dtype, device, size, offset)
-        got, want = routed_and_per_slice(model, shared, ids, ["agent_0"] * 3 + ["agent_1"] * 3)
-        layers = model.get_base_model().config.num_hidden_layers
-        assert len(shared.layers) == 7 * layers and len(casts) == 4 * layers
-        assert torch.equal(got, want) and shared.last_cast is None  # let go with the call
-    finally:
-        model.to(torch.float32)
+    model = bfloat16_copy(agents, float_adapters=True)
+    ids = torch.randint(3, 200, (6, 7), generator=torch.Generator().manual_seed(5)).to(model.device)
+    names = []
+
+    class Counted(Scratch):  # which buffers the hook asks for
+        def __call__(self, name, *args):
+            names.append(name)
+            return super().__call__(name, *args)
+
+    shared = RowAdapters(model)
+    shared.scratch = Counted()
+    got, want = routed_and_per_slice(model, shared, ids, ["agent_0"] * 3 + ["agent_1"] * 3)
+    layers = model.get_base_model().config.num_hidden_layers
+    assert len(shared.layers) == 7 * layers and names.count("input") == 4 * layers
+    assert torch.equal(got, want) and shared.last_cast is None  # let go with the call
 
 
 def test_the_batched_hooks_reused_buffers_give_the_fresh_tensors_bits_and_go_with_the_call(agents):
@@ -289,27 +281,21 @@ def test_the_batched_hooks_reused_buffers_give_the_fresh_tensors_bits_and_go_wit
     computing in fresh tensors (its path with gradients), and the buffers are freed when the call ends."""
     from magrpo.backends.hf import RowAdapters
 
-    model = bfloat16_copy(agents)
-    for name, param in model.named_parameters():
-        if "lora_" in name:  # as models.py keeps them in a bfloat16 model: the hook casts its sum for the layer
-            param.data = param.data.float()
-    try:
-        ids = torch.randint(3, 200, (8, 40), generator=torch.Generator().manual_seed(3)).to(model.device)
-        rows = ["agent_0"] * 4 + ["agent_1"] * 4
-        reused, fresh = RowAdapters(model), RowAdapters(model)
-        with torch.no_grad(), reused.active():
-            got = model(input_ids=ids, use_cache=True, **reused.rows(rows))
-            assert reused.scratch  # the buffers were used
-        assert not reused.scratch
-        with torch.enable_grad(), fresh.active():
-            want = model(input_ids=ids, use_cache=True, **fresh.rows(rows))
-        assert not fresh.scratch
-        assert torch.equal(got.logits, want.logits.detach())
-        for got_layer, want_layer in zip(got.past_key_values.layers, want.past_key_values.layers):
-            assert torch.equal(got_layer.keys, want_layer.keys.detach())
-            assert torch.equal(got_layer.values, want_layer.values.detach())
-    finally:
-        model.to(torch.float32)
+    model = bfloat16_copy(agents, float_adapters=True)
+    ids = torch.randint(3, 200, (8, 40), generator=torch.Generator().manual_seed(3)).to(model.device)
+    rows = ["agent_0"] * 4 + ["agent_1"] * 4
+    reused, fresh = RowAdapters(model), RowAdapters(model)
+    with torch.no_grad(), reused.active():
+        got = model(input_ids=ids, use_cache=True, **reused.rows(rows))
+        assert reused.scratch  # the buffers were used
+    assert not reused.scratch
+    with torch.enable_grad(), fresh.active():
+        want = model(input_ids=ids, use_cache=True, **fresh.rows(rows))
+    assert not fresh.scratch
+    assert torch.equal(got.logits, want.logits.detach())
+    for got_layer, want_layer in zip(got.past_key_values.layers, want.past_key_values.layers):
+        assert torch.equal(got_layer.keys, want_layer.keys.detach())
+        assert torch.equal(got_layer.values, want_layer.values.detach())
 
 
 def test_row_routing_leaves_each_layers_switch_hooks_and_grads_as_it_found_them(agents):

@@ -157,10 +157,12 @@ def test_a_decodes_scratch_buffers_give_the_fresh_tensors_bits_step_after_step(t
 def test_scratch_hands_out_the_same_memory_until_a_request_outgrows_it():
     from magrpo.sampling import Scratch
 
-    scratch = Scratch()
-    first = scratch("cdf", torch.empty(4, 10), torch.float64)
-    again = scratch("cdf", torch.empty(3, 10), torch.float64)
+    scratch, cpu = Scratch(), torch.device("cpu")
+    first = scratch("cdf", (4, 10), torch.float64, cpu)
+    again = scratch("cdf", (3, 10), torch.float64, cpu)
     assert first.dtype == again.dtype == torch.float64 and again.shape == (3, 10)
     assert again.data_ptr() == first.data_ptr()
-    assert scratch("scores", torch.empty(4, 10)).data_ptr() != first.data_ptr()  # another name, other memory
-    assert scratch("cdf", torch.empty(5, 10), torch.float64).shape == (5, 10)
+    assert scratch("scores", (4, 10), torch.float32, cpu).data_ptr() != first.data_ptr()  # another name, other memory
+    assert scratch("cdf", (5, 10), torch.float64, cpu).shape == (5, 10) and len(scratch) == 2
+    scratch.clear()
+    assert not scratch

@@ -543,7 +543,7 @@ class RowAdapters:
         self.names: tuple[str, ...] = ()  # the slices' adapters, in order
         self.even = False  # two or more slices of the same number of rows
         self.reuse_buffers = reuse_buffers  # False: the batched hook makes fresh tensors (the benchmark's "before")
-        self.scratch: dict[tuple, torch.Tensor] = {}  # (dtype, device) -> a flat buffer the batched hook reuses
+        self.scratch = Scratch()  # the batched hook's intermediates, reused from layer to layer
         self.last_cast: tuple | None = None  # (input, its version, its cast in the scratch): q, k and v share one
 
     @contextmanager
@@ -673,32 +673,23 @@ class RowAdapters:
         h = x.reshape(shape)
         if h.dtype != a.dtype:
             h = self._cast(x, h, a.dtype)
-        delta = self._buffer(a.dtype, x.device, output.numel(), x.numel()).view(h.shape[0], h.shape[1], b.shape[-1])
+        delta = self.scratch("delta", (h.shape[0], h.shape[1], b.shape[-1]), a.dtype, x.device)
         torch.bmm(torch.bmm(h, a), b, out=delta)
         if scale is not None:
             delta.mul_(scale)
         if delta.dtype != output.dtype:
-            cast = self._buffer(output.dtype, x.device, output.numel(), 0).view(delta.shape)
-            delta = cast.copy_(delta)  # rounds as .to(output.dtype) does
+            delta = self.scratch("delta", delta.shape, output.dtype, x.device).copy_(delta)  # as .to(dtype) rounds
         output += delta.reshape(output.shape)
         return output
 
     def _cast(self, x: torch.Tensor, h: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """`h` (a view of the layer's input `x`) as `dtype`, in the scratch buffer's start: the cast the hook
+        """`h` (a view of the layer's input `x`) as `dtype`, in scratch buffer "input": the cast the hook
         made last when `x` is the same unchanged tensor (a decoder layer's q, k and v projections take one
-        input, as do an MLP's gate and up: 3 casts of 7 per layer less), else a new one. Only this writes the
-        buffer's start, so the last cast holds until the next; a grown buffer leaves it in the old memory."""
+        input, as do an MLP's gate and up: 3 casts of 7 per layer less), else a new one. Only this writes
+        buffer "input", so the last cast holds until the next; a grown buffer leaves it in the old memory."""
         last = self.last_cast
         if last is not None and last[0] is x and last[1] == x._version and last[2].dtype == dtype:
             return last[2]
-        cast = self._buffer(dtype, x.device, x.numel(), 0).view(h.shape).copy_(h)  # .to(dtype), in place
+        cast = self.scratch("input", h.shape, dtype, x.device).copy_(h)  # .to(dtype), in place
         self.last_cast = (x, x._version, cast)
         return cast
-
-    def _buffer(self, dtype: torch.dtype, device: torch.device, size: int, offset: int) -> torch.Tensor:
-        """`size` elements at `offset` of this dtype's scratch buffer, grown (never shrunk) to hold them."""
-        key = (dtype, device)
-        flat = self.scratch.get(key)
-        if flat is None or flat.numel() < offset + size:
-            flat = self.scratch[key] = torch.empty(offset + size, dtype=dtype, device=device)
-        return flat[offset:offset + size]
