@@ -4,6 +4,7 @@
     python bench/bench_decode_step.py prefill    # SmolLM2-135M: a code-env turn-2 prefill, whole and shared
     python bench/bench_decode_step.py lora-prefill  # SmolLM2-135M, 2 LoRA agents: the hook's buffers reused or fresh
     python bench/bench_decode_step.py split-prefill # SmolLM2-135M, 2 LoRA agents: prompts of mixed length
+    python bench/bench_decode_step.py products      # SmolLM2-135M: one decode step's base products alone
 
 `steps`: the tiny model with two agents' LoRA adapters (routed per row by the HF backend's
 RowAdapters, as in training), a 16-token prompt per row, then 32 greedy decode steps, timed per step
@@ -26,12 +27,20 @@ lengths are spread evenly from --length / 2 to --length (an evaluation's second 
 issue 48's task), half per agent: the prefill split into groups of similar length (what magrpo runs on a
 CPU) against one left-padded prefill, interleaved, min and median of --repeats, and how many tokens
 differ (in bfloat16 some do at near ties: the shapes round otherwise).
+
+`products`: the model as `model.dtype=auto` loads it, and only its base linear layers (the head included):
+one decode step's products of --rows rows each, in layer order (each weight read from memory, as a step
+reads them) and the same number of products on the first decoder layer's weights (in cache), with the
+weights packed for oneDNN (`model.cpu_weights=packed`, where this machine gives the same bits) and plain
+(`F.linear`), min of --repeats; and a read of every weight (a sum over each) for the machine's own read rate
+of those bytes. What a decode step at these rows cannot go below without other kernels.
 """
 from __future__ import annotations
 
 import argparse
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -204,20 +213,69 @@ def split_prefill(args) -> None:
           f"shape moves logits by its rounding: one prompt alone differs from one prefill as often)")
 
 
+def products(args) -> None:
+    import torch.nn.functional as F
+
+    from magrpo.backends.hf_linear import PackedLinears
+
+    agents = lora_agents(args.model)
+    model = agents[0].model.eval()
+    names = {m: n for n, m in model.named_modules()}
+    layers = [m for m in model.modules()  # the base layers and the head, not the adapters' own
+              if type(m) is torch.nn.Linear and "lora_" not in names[m]]
+    first = [m for m in layers if ".layers.0." in names[m]]
+    repeated = [first[i % len(first)] for i in range(len(layers))]  # as many products, weights in cache
+    weights = [m.weight for m in layers]
+    size = sum(w.numel() * w.element_size() for w in weights)
+    linears = PackedLinears(model)
+
+    def best(fn) -> float:
+        fn()  # once unseen: a first call sets up kernels
+        times = []
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    def run(order, inputs, packed: bool) -> None:
+        for m in order:  # inside linears.active() a packed layer's own forward multiplies with its packed copy
+            m(inputs[m.in_features]) if packed else F.linear(inputs[m.in_features], m.weight)
+
+    with torch.no_grad():
+        read = best(lambda: [w.sum() for w in weights])
+        with linears.active() as packed:
+            print(f"{args.model} {weights[0].dtype}, {torch.get_num_threads()} thread(s), {len(layers)} linear "
+                  f"layers ({packed} packed), {size / 1e6:.0f} MB of weights; reading them (a sum over each): "
+                  f"{read * 1e3:.1f} ms ({size / read / 1e9:.1f} GB/s), torch {torch.__version__}")
+        for rows in args.rows:
+            inputs = {n: torch.randn(rows, 1, n, dtype=weights[0].dtype) for n in {m.in_features for m in layers}}
+            line = []
+            for kind in ("packed", "plain"):
+                with linears.active() if kind == "packed" else nullcontext():
+                    cold = best(lambda: run(layers, inputs, kind == "packed"))  # noqa: B023 (called here)
+                    warm = best(lambda: run(repeated, inputs, kind == "packed"))  # noqa: B023
+                line.append(f"{kind}: in layer order {cold * 1e3:6.1f} ms ({size / cold / 1e9:4.1f} GB/s), "
+                            f"one layer's repeated {warm * 1e3:6.1f} ms")
+            print(f"  {rows:3d} rows: " + "; ".join(line))
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("what", choices=["steps", "prefill", "lora-prefill", "split-prefill"])
-    p.add_argument("--rows", type=int, nargs="+", default=[2, 8, 32], help="steps: rows per decode (default 2 8 32)")
+    p.add_argument("what", choices=["steps", "prefill", "lora-prefill", "split-prefill", "products"])
+    p.add_argument("--rows", type=int, nargs="+", default=[2, 8, 32], help="steps, products: rows per decode "
+                   "(default 2 8 32)")
     p.add_argument("--steps", type=int, default=32, help="steps: decode steps per run (default 32)")
     p.add_argument("--repeats", type=int, default=7,
-                   help="steps, lora-prefill, split-prefill: timed runs of each kind (default 7)")
-    p.add_argument("--model", default="smollm2-135m", help="lora-prefill, split-prefill: a configs/model group "
-                   "(default smollm2-135m; tiny for a quick check)")
+                   help="steps, lora-prefill, split-prefill, products: timed runs of each kind (default 7)")
+    p.add_argument("--model", default="smollm2-135m", help="lora-prefill, split-prefill, products: a configs/model "
+                   "group (default smollm2-135m; tiny for a quick check)")
     p.add_argument("--prompts", type=int, default=16, help="lora-prefill, split-prefill: prompts (default 16)")
     p.add_argument("--length", type=int, default=300, help="lora-prefill: tokens per prompt; split-prefill: the "
                    "longest prompt (default 300)")
     args = p.parse_args(argv)
-    probes = {"steps": steps, "prefill": prefill, "lora-prefill": lora_prefill, "split-prefill": split_prefill}
+    probes = {"steps": steps, "prefill": prefill, "lora-prefill": lora_prefill, "split-prefill": split_prefill,
+              "products": products}
     probes[args.what](args)
     return 0
 

@@ -31,3 +31,13 @@ def test_the_split_prefill_probe_times_both_kinds_and_compares_their_tokens(caps
                        "--repeats", "1"]) == 0
     out = capsys.readouterr().out
     assert "split into groups" in out and "one prefill" in out and "same tokens: yes" in out
+
+
+def test_the_products_probe_times_packed_and_plain_products_in_layer_order_and_repeated(capsys):
+    bench = load_bench("bench_decode_step")
+    assert bench.main(["products", "--model", "tiny", "--rows", "1", "3", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "MB of weights; reading them (a sum over each):" in out
+    for rows in (1, 3):
+        line = next(line for line in out.splitlines() if line.startswith(f"    {rows} rows: "))
+        assert "packed: in layer order" in line and "plain: in layer order" in line and "repeated" in line
