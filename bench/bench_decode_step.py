@@ -5,6 +5,7 @@
     python bench/bench_decode_step.py lora-prefill  # SmolLM2-135M, 2 LoRA agents: the hook's buffers reused or fresh
     python bench/bench_decode_step.py split-prefill # SmolLM2-135M, 2 LoRA agents: prompts of mixed length
     python bench/bench_decode_step.py products      # SmolLM2-135M: one decode step's base products alone
+    python bench/bench_decode_step.py small-ops     # a decode's small operations, caches warm and evicted
 
 `steps`: the tiny model with two agents' LoRA adapters (routed per row by the HF backend's
 RowAdapters, as in training), a 16-token prompt per row, then 32 greedy decode steps, timed per step
@@ -34,6 +35,11 @@ reads them) and the same number of products on the first decoder layer's weights
 weights packed for oneDNN (`model.cpu_weights=packed`, where this machine gives the same bits) and plain
 (`F.linear`), min of --repeats; and a read of every weight (a sum over each) for the machine's own read rate
 of those bytes. What a decode step at these rows cannot go below without other kernels.
+
+`small-ops`: transformers' LlamaRMSNorm of SmolLM2's width (7 small operations) on --rows rows in bfloat16,
+timed alone (everything it touches in cache), right after a read of 24 MB (more than a core's L2), and right
+after a packed product with one of 24 weights in turn (42 MB), as in a decode step, where every layer's
+weights stream through the caches between its small operations. Median of --repeats means of 100 calls.
 """
 from __future__ import annotations
 
@@ -41,6 +47,7 @@ import argparse
 import sys
 import time
 from contextlib import nullcontext
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -260,14 +267,53 @@ def products(args) -> None:
             print(f"  {rows:3d} rows: " + "; ".join(line))
 
 
+def product_in_turn(x: torch.Tensor, packed: list, turn) -> None:
+    from magrpo.backends.hf_linear import _packed_product
+
+    _packed_product(x, packed[next(turn) % len(packed)], None)
+
+
+def small_ops(args) -> None:
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from magrpo.backends.hf_linear import _pack
+
+    width, dtype = 576, torch.bfloat16  # SmolLM2-135M's hidden size and a CPU decode's dtype
+    norm = LlamaRMSNorm(width).to(dtype)
+    big = torch.zeros(12 << 20, dtype=dtype)  # 24 MB
+    weights = [torch.randn(1536, width, dtype=dtype) for _ in range(24)]  # 42 MB, read in turn: from memory
+    packed = [_pack(w) for w in weights]
+    print(f"LlamaRMSNorm({width}) in {dtype}, {torch.get_num_threads()} thread(s), torch {torch.__version__}")
+    with torch.no_grad():
+        for rows in args.rows:
+            x = torch.randn(rows, 1, width, dtype=dtype)
+            turn = iter(range(1 << 62))
+            before = {"alone": lambda: None, "after a 24 MB read": big.sum}
+            if packed[0] is not None:  # a CPU or torch build without oneDNN's bfloat16 reorder has none
+                before["after a product (24 weights in turn)"] = partial(product_in_turn, x, packed, turn)
+            line = []
+            for kind, first in before.items():
+                medians = []
+                for _ in range(args.repeats):
+                    spent = 0
+                    for _ in range(100):
+                        first()
+                        start = time.perf_counter_ns()
+                        norm(x)
+                        spent += time.perf_counter_ns() - start
+                    medians.append(spent / 100 / 1e3)
+                line.append(f"{kind} {sorted(medians)[len(medians) // 2]:6.1f} us")
+            print(f"  {rows:3d} rows: " + ", ".join(line))
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("what", choices=["steps", "prefill", "lora-prefill", "split-prefill", "products"])
-    p.add_argument("--rows", type=int, nargs="+", default=[2, 8, 32], help="steps, products: rows per decode "
-                   "(default 2 8 32)")
+    p.add_argument("what", choices=["steps", "prefill", "lora-prefill", "split-prefill", "products", "small-ops"])
+    p.add_argument("--rows", type=int, nargs="+", default=[2, 8, 32], help="steps, products, small-ops: rows per "
+                   "decode (default 2 8 32)")
     p.add_argument("--steps", type=int, default=32, help="steps: decode steps per run (default 32)")
     p.add_argument("--repeats", type=int, default=7,
-                   help="steps, lora-prefill, split-prefill, products: timed runs of each kind (default 7)")
+                   help="steps, lora-prefill, split-prefill, products, small-ops: timed runs of each kind (default 7)")
     p.add_argument("--model", default="smollm2-135m", help="lora-prefill, split-prefill, products: a configs/model "
                    "group (default smollm2-135m; tiny for a quick check)")
     p.add_argument("--prompts", type=int, default=16, help="lora-prefill, split-prefill: prompts (default 16)")
@@ -275,7 +321,7 @@ def main(argv=None) -> int:
                    "longest prompt (default 300)")
     args = p.parse_args(argv)
     probes = {"steps": steps, "prefill": prefill, "lora-prefill": lora_prefill, "split-prefill": split_prefill,
-              "products": products}
+              "products": products, "small-ops": small_ops}
     probes[args.what](args)
     return 0
 

@@ -41,3 +41,10 @@ def test_the_products_probe_times_packed_and_plain_products_in_layer_order_and_r
     for rows in (1, 3):
         line = next(line for line in out.splitlines() if line.startswith(f"    {rows} rows: "))
         assert "packed: in layer order" in line and "plain: in layer order" in line and "repeated" in line
+
+
+def test_the_small_ops_probe_times_a_norm_alone_and_after_the_caches_are_evicted(capsys):
+    bench = load_bench("bench_decode_step")
+    assert bench.main(["small-ops", "--rows", "2", "--repeats", "1"]) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("    2 rows: "))
+    assert "alone" in line and "after a 24 MB read" in line
