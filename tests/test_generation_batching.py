@@ -378,3 +378,26 @@ def test_each_request_stops_at_its_own_budget_and_its_text_is_its_tokens(agents)
     for cut, whole in zip(both[0], both[1]):
         assert cut.token_ids == whole.token_ids[:4]
         assert cut.finished == (whole.finished and len(whole.token_ids) <= 4)
+
+
+@pytest.mark.parametrize("rows", [["agent_0"] * 3 + ["agent_1"] * 3, ["agent_0"] * 4 + ["agent_1"] * 2],
+                         ids=["batched", "per-slice"])
+def test_routed_rows_in_bfloat16_get_the_logits_of_peft_forward_the_update_trains(agents, rows):
+    """A bfloat16 model with float32 adapters (as models.py keeps them): each routed row's logits are those
+    of peft's forward with its agent's adapter active (what the update computes), bit for bit. peft's forward
+    adds the float32 LoRA sum to the layer's output and rounds once; rounding the sum to bfloat16 first (as
+    peft's mixed batching does) moved these logits by up to 0.21, so the sampler's policy was not the one
+    trained."""
+    from magrpo.backends.hf import RowAdapters
+
+    model = bfloat16_copy(agents, float_adapters=True)
+    ids = torch.randint(3, 200, (len(rows), 7), generator=torch.Generator().manual_seed(2)).to(model.device)
+    with torch.no_grad():
+        trained = {}
+        for name in set(rows):
+            model.set_adapter(name)
+            trained[name] = model(input_ids=ids).logits
+        want = torch.stack([trained[name][i] for i, name in enumerate(rows)])
+        with RowAdapters(model).active() as routing:
+            got = model(input_ids=ids, **routing.rows(rows)).logits
+    assert torch.equal(got, want)

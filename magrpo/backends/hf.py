@@ -527,7 +527,10 @@ class RowAdapters:
     every LoRA layer at every forward, rebuilds index lists and gathers and scatters rows: a quarter
     of a decode step of a 135M model on CPU. Here the base model runs with its adapters disabled and a
     hook on each LoRA linear adds `B(A(x)) * scaling` to each agent's slice of rows: peft's own
-    arithmetic, on views. Models with other LoRA layer kinds (embeddings, DoRA) keep peft's path.
+    arithmetic, on views. As in peft's forward (the one the update trains through), not its mixed batching,
+    the adapters' float32 sum is added to a reduced-precision output and rounded once, so a bfloat16 row
+    gets the logits of the policy being trained. Models with other LoRA layer kinds (embeddings, DoRA) keep
+    peft's path.
     """
 
     def __init__(self, model: torch.nn.Module, reuse_buffers: bool = True):
@@ -622,7 +625,7 @@ class RowAdapters:
                 if dropout is not None:
                     h = dropout(h)
                 delta = F.linear(F.linear(h, a_weight, a_bias), b_weight, b_bias).mul_(scaling)  # peft's arithmetic
-                output[rows] += delta.to(output.dtype)
+                output[rows] += delta  # summed in the adapters' dtype, rounded once: as peft's forward the update runs
         return output
 
     def _batched(self, weights: dict, x: torch.Tensor) -> bool:
@@ -668,7 +671,7 @@ class RowAdapters:
         if torch.is_grad_enabled() or not self.reuse_buffers:
             delta = torch.bmm(torch.bmm(x.reshape(shape).to(a.dtype), a), b)
             delta = delta if scale is None else delta * scale
-            output += delta.reshape(output.shape).to(output.dtype)
+            output += delta.reshape(output.shape)
             return output
         h = x.reshape(shape)
         if h.dtype != a.dtype:
@@ -677,8 +680,6 @@ class RowAdapters:
         torch.bmm(torch.bmm(h, a), b, out=delta)
         if scale is not None:
             delta.mul_(scale)
-        if delta.dtype != output.dtype:
-            delta = self.scratch("delta", delta.shape, output.dtype, x.device).copy_(delta)  # as .to(dtype) rounds
         output += delta.reshape(output.shape)
         return output
 
