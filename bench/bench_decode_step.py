@@ -222,6 +222,7 @@ def split_prefill(args) -> None:
 
 def products(args) -> None:
     import torch.nn.functional as F
+    from bench_roofline import best
 
     from magrpo.backends.hf_linear import PackedLinears
 
@@ -236,21 +237,12 @@ def products(args) -> None:
     size = sum(w.numel() * w.element_size() for w in weights)
     linears = PackedLinears(model)
 
-    def best(fn) -> float:
-        fn()  # once unseen: a first call sets up kernels
-        times = []
-        for _ in range(args.repeats):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        return min(times)
-
     def run(order, inputs, packed: bool) -> None:
         for m in order:  # inside linears.active() a packed layer's own forward multiplies with its packed copy
             m(inputs[m.in_features]) if packed else F.linear(inputs[m.in_features], m.weight)
 
     with torch.no_grad():
-        read = best(lambda: [w.sum() for w in weights])
+        read = best(lambda: [w.sum() for w in weights], args.repeats)
         with linears.active() as packed:
             print(f"{args.model} {weights[0].dtype}, {torch.get_num_threads()} thread(s), {len(layers)} linear "
                   f"layers ({packed} packed), {size / 1e6:.0f} MB of weights; reading them (a sum over each): "
@@ -260,8 +252,8 @@ def products(args) -> None:
             line = []
             for kind in ("packed", "plain"):
                 with linears.active() if kind == "packed" else nullcontext():
-                    cold = best(lambda: run(layers, inputs, kind == "packed"))  # noqa: B023 (called here)
-                    warm = best(lambda: run(repeated, inputs, kind == "packed"))  # noqa: B023
+                    cold = best(lambda: run(layers, inputs, kind == "packed"), args.repeats)  # noqa: B023 (called here)
+                    warm = best(lambda: run(repeated, inputs, kind == "packed"), args.repeats)  # noqa: B023
                 line.append(f"{kind}: in layer order {cold * 1e3:6.1f} ms ({size / cold / 1e9:4.1f} GB/s), "
                             f"one layer's repeated {warm * 1e3:6.1f} ms")
             print(f"  {rows:3d} rows: " + "; ".join(line))

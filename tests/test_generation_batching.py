@@ -42,7 +42,7 @@ def agents(tmp_path_factory):
 def bfloat16_copy(agents, float_adapters: bool = False):
     """The agents' model in bfloat16, as a copy: a round trip of the shared one through bfloat16 would round its
     weights for every later test of this module. `float_adapters`: the LoRA weights float32 again, as models.py
-    keeps them in a bfloat16 model (the batched hook then casts its input and its sum)."""
+    keeps them in a bfloat16 model (the batched hook then casts its input and adds its float32 sum)."""
     model = copy.deepcopy(agents[0].model).eval().to(torch.bfloat16)
     if float_adapters:
         for name, param in model.named_parameters():
