@@ -66,6 +66,39 @@ def test_every_other_call_is_sdpa_bit_for_bit(dtype, positions):
     assert torch.equal(ours, theirs)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (8, 1), (4, 4)])
+@pytest.mark.parametrize("mask", ["padding", "additive", "none"])
+@pytest.mark.parametrize("keys", [5, 40])
+def test_several_positions_are_transformers_sdpa_with_its_gradients(dtype, heads, kv_heads, mask, keys):
+    """`sdpa` hands grouped heads to torch's kernel (enable_gqa) where transformers copies them: the same
+    outputs and query gradients to the bit; the key / value gradients, which the kernel sums over a group's
+    heads itself, to the bit on MKL's own path for this CPU and within float32 rounding on its portable one
+    (MKL_CBWR=COMPATIBLE); a reduced-precision backward stays transformers' own."""
+    q, k, v, padding = inputs(heads, kv_heads, keys, dtype, positions=5)
+    masks = {"padding": padding, "none": None,  # none: causal, and transformers' cut of the keys past the queries
+             "additive": torch.zeros(padding.shape, dtype=dtype).masked_fill(~padding, float("-inf"))}
+    m = module(heads, kv_heads)
+    with torch.no_grad():  # a prefill
+        ours, _ = attention.sdpa(m, q, k, v, masks[mask], scaling=0.125)
+        theirs, _ = sdpa_attention_forward(m, q, k, v, masks[mask], scaling=0.125)
+    assert ours.shape == theirs.shape == (6, 5, heads, 64) and torch.equal(ours, theirs)
+    grad = torch.randn(6, 5, heads, 64, generator=torch.Generator().manual_seed(1)).to(dtype)
+    results = []
+    for function in (attention.sdpa, sdpa_attention_forward):  # the update's forward and backward
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out, _ = function(m, *leaves, masks[mask], scaling=0.125)
+        out.backward(grad)
+        results.append([out, *(t.grad for t in leaves)])
+    (out, dq, dk, dv), (out_t, dq_t, dk_t, dv_t) = results
+    assert torch.equal(out, out_t) and torch.equal(dq, dq_t)
+    for ours, theirs in ((dk, dk_t), (dv, dv_t)):
+        if dtype == torch.float32:
+            torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+        else:
+            assert torch.equal(ours, theirs)
+
+
 def test_a_loaded_model_uses_it_and_a_saved_one_does_not_name_it(make_cfg, tmp_path):
     from magrpo.models import cache_keyword, load_agents
 
