@@ -57,6 +57,7 @@ KERNEL_DECODE = "magrpo_sdpa_kernel_decode"  # a bfloat16 decode step's on torch
 NAMES = (NAME, KERNEL_DECODE)
 UPDATE = "magrpo_update"  # a forward keyword: this forward is the update's (float32 attention, see above)
 REDUCED = (torch.bfloat16, torch.float16)
+GQA_KERNEL = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 5)  # SDPA's enable_gqa
 
 
 def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
@@ -98,12 +99,13 @@ def kernel_decode(module, query, key, value, attention_mask, **kwargs):
 
 def sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
     """transformers' SDPA attention, except that on a CPU a call of several query positions with grouped-query
-    heads lets torch's kernel read each key/value head for its group of query heads (`enable_gqa`), where
-    transformers copies every key/value head once per query head (`repeat_kv`; it passes `enable_gqa` only
-    with no mask, made for CUDA) and a backward sums the copies' gradients back. The same numbers bit for bit,
-    outputs and float32 gradients (tests/test_attention.py); one SmolLM2 layer of the update in float32, 32 rows x 31
-    positions on 159 keys, forward + backward: 17 ms against 27.5 ms (2026-11-29, Intel Xeon, 2 threads).
-    Other calls (one query position: transformers packs its heads; a GPU; a position bias) are transformers'."""
+    heads lets torch's kernel read each key/value head for its group of query heads (`enable_gqa`, torch >= 2.5),
+    where transformers copies every key/value head once per query head (`repeat_kv`; it passes `enable_gqa` only
+    with no mask, made for CUDA) and a backward sums the copies' gradients back. The same outputs and query
+    gradients bit for bit; key/value gradients bit for bit on MKL's own path and within float32 rounding on its
+    portable one (tests/test_attention.py). One SmolLM2 layer of the update in float32, 32 rows x 31 positions on
+    159 keys, forward + backward: 17 ms against 27.5 ms (2026-11-29, Intel Xeon, 2 threads). Other calls (one
+    query position: transformers packs its heads; a GPU; a position bias) are transformers'."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     positions = query.shape[2]
@@ -111,8 +113,9 @@ def sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, i
     # after: other bits, so a reduced-precision backward keeps transformers' way (magrpo's update runs in float32)
     reduced_backward = query.dtype != torch.float32 and torch.is_grad_enabled() and any(
         t.requires_grad for t in (query, key, value))
-    if (query.device.type != "cpu" or positions == 1 or getattr(module, "num_key_value_groups", 1) <= 1
-            or reduced_backward or any(kwargs.get(name) for name in ("position_bias", "softcap", "output_attentions"))):
+    grouped = GQA_KERNEL and getattr(module, "num_key_value_groups", 1) > 1
+    if (not grouped or query.device.type != "cpu" or positions == 1 or reduced_backward
+            or any(kwargs.get(name) for name in ("position_bias", "softcap", "output_attentions"))):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     # transformers' causal flag and its cut of the keys (a prefill into an empty static cache), as it sets them

@@ -99,6 +99,25 @@ def test_several_positions_are_transformers_sdpa_with_its_gradients(dtype, heads
             assert torch.equal(ours, theirs)
 
 
+def test_a_torch_without_enable_gqa_gets_transformers_copies(monkeypatch):
+    """torch < 2.5 has no `enable_gqa` (pyproject allows 2.4): `sdpa` must not pass it there."""
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def old_torch(*args, **kwargs):
+        if "enable_gqa" in kwargs:
+            raise TypeError("scaled_dot_product_attention() got an unexpected keyword argument 'enable_gqa'")
+        return real(*args, **kwargs)
+
+    q, k, v, mask = inputs(9, 3, 40, torch.float32, positions=5)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", old_torch)
+    with pytest.raises(TypeError):
+        attention.sdpa(module(9, 3), q, k, v, mask)
+    monkeypatch.setattr(attention, "GQA_KERNEL", False)
+    ours, _ = attention.sdpa(module(9, 3), q, k, v, mask)
+    theirs, _ = sdpa_attention_forward(module(9, 3), q, k, v, mask)
+    assert torch.equal(ours, theirs)
+
+
 def test_a_loaded_model_uses_it_and_a_saved_one_does_not_name_it(make_cfg, tmp_path):
     from magrpo.models import cache_keyword, load_agents
 
