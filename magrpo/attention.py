@@ -57,7 +57,6 @@ KERNEL_DECODE = "magrpo_sdpa_kernel_decode"  # a bfloat16 decode step's on torch
 NAMES = (NAME, KERNEL_DECODE)
 UPDATE = "magrpo_update"  # a forward keyword: this forward is the update's (float32 attention, see above)
 REDUCED = (torch.bfloat16, torch.float16)
-GQA_KERNEL = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 5)  # SDPA's enable_gqa
 
 
 def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
@@ -113,7 +112,7 @@ def sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, i
     # after: other bits, so a reduced-precision backward keeps transformers' way (magrpo's update runs in float32)
     reduced_backward = query.dtype != torch.float32 and torch.is_grad_enabled() and any(
         t.requires_grad for t in (query, key, value))
-    grouped = GQA_KERNEL and getattr(module, "num_key_value_groups", 1) > 1
+    grouped = getattr(module, "num_key_value_groups", 1) > 1 and gqa_kernel()
     if (not grouped or query.device.type != "cpu" or positions == 1 or reduced_backward
             or any(kwargs.get(name) for name in ("position_bias", "softcap", "output_attentions"))):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
@@ -126,6 +125,14 @@ def sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, i
                                                            dropout_p=dropout, scale=scaling, is_causal=causal,
                                                            enable_gqa=True)
     return out.transpose(1, 2).contiguous(), None
+
+
+@lru_cache(maxsize=1)
+def gqa_kernel() -> bool:
+    """Whether torch's SDPA takes `enable_gqa` (torch >= 2.5; pyproject allows 2.4)."""
+    from transformers.utils.import_utils import is_torch_greater_or_equal
+
+    return is_torch_greater_or_equal("2.5")
 
 
 @lru_cache(maxsize=1)

@@ -112,7 +112,7 @@ def test_a_torch_without_enable_gqa_gets_transformers_copies(monkeypatch):
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", old_torch)
     with pytest.raises(TypeError):
         attention.sdpa(module(9, 3), q, k, v, mask)
-    monkeypatch.setattr(attention, "GQA_KERNEL", False)
+    monkeypatch.setattr(attention, "gqa_kernel", lambda: False)
     ours, _ = attention.sdpa(module(9, 3), q, k, v, mask)
     theirs, _ = sdpa_attention_forward(module(9, 3), q, k, v, mask)
     assert torch.equal(ours, theirs)
